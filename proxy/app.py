@@ -1,0 +1,54 @@
+"""The composition root: create_app(config) builds every object the proxy uses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from proxy.archives import ArchiveStore
+from proxy.cache import MetadataCache
+from proxy.config import Config
+from proxy.handlers import METRICS_KEY, MIRROR_KEY, add_routes
+from proxy.metrics import Metrics
+from proxy.middleware import error_middleware
+from proxy.provider_mirror import ProviderMirror
+from proxy.upstream.discovery import Discovery
+from proxy.upstream.http import UpstreamHTTP, close_session, make_session
+from proxy.upstream.provider_registry import ProviderRegistryClient
+
+log = logging.getLogger(__name__)
+CONFIG_KEY = web.AppKey("config", Config)
+
+
+def create_app(config: Config) -> web.Application:
+    """Build the application; long-lived resources open and close with it (cleanup_ctx)."""
+    metrics = Metrics()
+    app = web.Application(middlewares=[error_middleware(metrics)])
+    app[CONFIG_KEY] = config
+    app[METRICS_KEY] = metrics
+    add_routes(app)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        cache_dir = config.cache.dir
+        archives = ArchiveStore(cache_dir)
+        swept = archives.sweep_temp()
+        if swept:
+            log.info("removed %d unfinished download(s) left by an earlier run", swept)
+        cache = MetadataCache(cache_dir / "index")
+        session = make_session(config.upstream)
+        http = UpstreamHTTP(session, config.upstream, metrics)
+        discovery = Discovery(http, config.upstream)
+        mirror = ProviderMirror(ProviderRegistryClient(http, discovery), cache, archives,
+                                config.upstream, metrics)
+        app[MIRROR_KEY] = mirror
+        try:
+            yield
+        finally:
+            await mirror.close()
+            await close_session(session)
+            cache.close()
+
+    app.cleanup_ctx.append(resources)
+    return app

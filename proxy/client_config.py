@@ -1,0 +1,31 @@
+"""The Terraform CLI configuration (HCL) that points clients at this proxy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy.config import Config
+
+MIRROR_PATH = "mirror/"
+
+
+def render_client_config(config: Config, ca_file: Path | None) -> str:
+    """A ready-to-use CLI config: every provider installs through the proxy's mirror."""
+    base = config.server.base_url
+    lines = [
+        f"# Terraform / OpenTofu CLI configuration for tf-registry-proxy at {base}",
+        "# Save it as ~/.terraformrc (OpenTofu: ~/.tofurc) or point TF_CLI_CONFIG_FILE at it.",
+    ]
+    if ca_file is not None:
+        lines += [
+            "# The proxy's certificate comes from its own CA; make clients trust it:",
+            f"#   export SSL_CERT_FILE={ca_file}",
+        ]
+    lines += [
+        "provider_installation {",
+        "  network_mirror {",
+        f'    url = "{base}{MIRROR_PATH}"',
+        "  }",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"

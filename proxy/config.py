@@ -1,0 +1,325 @@
+"""Configuration: TOML (tomllib) plus environment overrides, into typed frozen dataclasses.
+
+Every problem is collected and reported at once, each with its key's name. No file at all
+means the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from proxy.errors import BadRequest
+from proxy.models import normalize_hostname
+
+CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
+# TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
+ENV_PREFIX = "TF_REGISTRY_PROXY_"
+DEFAULT_ALLOWED_HOSTS = ("registry.terraform.io", "registry.opentofu.org")
+KNOWN_SERVICES = ("providers.v1", "modules.v1")
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(Exception):
+    """One or more configuration problems, each naming its key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def default_cache_dir() -> Path:
+    """A per-user cache directory (XDG_CACHE_HOME honored)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tf-registry-proxy"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the proxy listens and how clients reach it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8443
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    public_url: str | None = None
+    log_level: str = "info"
+
+    @property
+    def base_url(self) -> str:
+        """The https URL clients use, always ending in `/`."""
+        if self.public_url:
+            return self.public_url if self.public_url.endswith("/") else self.public_url + "/"
+        host = "localhost" if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"https://{host}:{self.port}/"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where verified artifacts and metadata live."""
+
+    dir: Path = field(default_factory=default_cache_dir)
+
+
+@dataclass(frozen=True)
+class UpstreamHostConfig:
+    """A configured upstream host: its service URLs replace remote discovery."""
+
+    services: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """Which registries the proxy may contact, and how."""
+
+    ca_bundle: Path | None = None
+    allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
+    hosts: Mapping[str, UpstreamHostConfig] = field(default_factory=dict)
+    discovery_ttl: float = 3600.0
+    versions_ttl: float = 600.0
+    connect_timeout: float = 10.0
+    metadata_timeout: float = 30.0
+    download_timeout: float = 1800.0
+    max_archive_size: int = 2 * 2**30
+
+    @property
+    def all_hosts(self) -> frozenset[str]:
+        """Every upstream host the proxy serves: allowed_hosts plus configured hosts."""
+        return frozenset(self.allowed_hosts) | frozenset(self.hosts)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+
+
+def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read the TOML file (or none: defaults), apply environment overrides, validate all."""
+    env = os.environ if environ is None else environ
+    if path is None and env.get(CONFIG_ENV):
+        path = Path(env[CONFIG_ENV])
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                raw = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
+    _apply_env(raw, env)
+    return _Parser(raw).config()
+
+
+_ENV_KEYS = {
+    "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level"),
+    "cache": ("dir",),
+    "upstream": ("ca_bundle", "discovery_ttl", "versions_ttl", "connect_timeout",
+                 "metadata_timeout", "download_timeout", "max_archive_size"),
+}
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for section, keys in _ENV_KEYS.items():
+        for key in keys:
+            value = env.get(f"{ENV_PREFIX}{section}_{key}".upper())
+            if value is not None:
+                table = raw.setdefault(section, {})
+                if isinstance(table, dict):
+                    table[key] = value
+
+
+class _Parser:
+    """Walks the raw TOML, collecting every problem before failing."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self.problems: list[str] = []
+
+    def config(self) -> Config:
+        self._unknown(self.raw, "", ("server", "cache", "upstream"))
+        server = self._server(self._table(self.raw, "server"))
+        cache = CacheConfig(dir=self._path("cache.dir", self._table(self.raw, "cache"), "dir")
+                            or default_cache_dir())
+        self._unknown(self._table(self.raw, "cache"), "cache.", ("dir",))
+        upstream = self._upstream(self._table(self.raw, "upstream"))
+        if self.problems:
+            raise ConfigError(self.problems)
+        return Config(server=server, cache=cache, upstream=upstream)
+
+    def _server(self, table: dict[str, Any]) -> ServerConfig:
+        self._unknown(table, "server.", ("listen", "tls_cert", "tls_key", "public_url",
+                                         "log_level"))
+        defaults = ServerConfig()
+        host, port = defaults.host, defaults.port
+        listen = table.get("listen")
+        if listen is not None:
+            parsed = _parse_listen(listen)
+            if parsed is None:
+                self.problems.append(f"server.listen: expected \"host:port\", got {listen!r}")
+            else:
+                host, port = parsed
+        cert = self._path("server.tls_cert", table, "tls_cert")
+        key = self._path("server.tls_key", table, "tls_key")
+        if (cert is None) != (key is None):
+            self.problems.append("server.tls_cert and server.tls_key: set both or neither")
+        public_url = self._str("server.public_url", table, "public_url")
+        if public_url:
+            parts = urlsplit(public_url)
+            if parts.scheme != "https" or not parts.hostname or parts.query or parts.fragment:
+                self.problems.append(
+                    f"server.public_url: expected an https URL without query, got {public_url!r}")
+        level = (self._str("server.log_level", table, "log_level") or defaults.log_level).lower()
+        if level not in ("debug", "info", "warning", "error"):
+            self.problems.append(
+                f"server.log_level: expected debug, info, warning or error, got {level!r}")
+        return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
+                            public_url=public_url or None, log_level=level)
+
+    def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
+        self._unknown(table, "upstream.", ("ca_bundle", "allowed_hosts", "hosts",
+                                           *_ENV_KEYS["upstream"][1:]))
+        defaults = UpstreamConfig()
+        ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
+        if ca_bundle is not None and not ca_bundle.is_file():
+            self.problems.append(f"upstream.ca_bundle: no such file {str(ca_bundle)!r}")
+        allowed = defaults.allowed_hosts
+        raw_allowed = table.get("allowed_hosts")
+        if raw_allowed is not None:
+            if not isinstance(raw_allowed, list) \
+                    or not all(isinstance(h, str) for h in raw_allowed):
+                self.problems.append("upstream.allowed_hosts: expected a list of hostnames")
+            else:
+                allowed = tuple(h for h in (self._hostname("upstream.allowed_hosts", h)
+                                            for h in raw_allowed) if h)
+        hosts = self._hosts(table.get("hosts", {}))
+        numbers = {key: self._number(f"upstream.{key}", table, key, getattr(defaults, key))
+                   for key in ("discovery_ttl", "versions_ttl", "connect_timeout",
+                               "metadata_timeout", "download_timeout")}
+        max_size = self._size("upstream.max_archive_size", table, "max_archive_size",
+                              defaults.max_archive_size)
+        return UpstreamConfig(ca_bundle=ca_bundle, allowed_hosts=allowed, hosts=hosts,
+                              max_archive_size=max_size, **numbers)
+
+    def _hosts(self, raw: object) -> dict[str, UpstreamHostConfig]:
+        if not isinstance(raw, dict):
+            self.problems.append("upstream.hosts: expected a table of hosts")
+            return {}
+        hosts: dict[str, UpstreamHostConfig] = {}
+        for name, entry in raw.items():
+            where = f"upstream.hosts.{name!r}"
+            hostname = self._hostname(where, name)
+            if not isinstance(entry, dict):
+                self.problems.append(f"{where}: expected a table")
+                continue
+            self._unknown(entry, f"{where}.", ("services",))
+            services = entry.get("services", {})
+            if not isinstance(services, dict) or not services:
+                self.problems.append(f"{where}.services: expected a non-empty table of URLs")
+                continue
+            checked: dict[str, str] = {}
+            for service, url in services.items():
+                if service not in KNOWN_SERVICES:
+                    self.problems.append(
+                        f"{where}.services: unknown service {service!r} "
+                        f"(known: {', '.join(KNOWN_SERVICES)})")
+                elif not isinstance(url, str) or urlsplit(url).scheme != "https" \
+                        or not urlsplit(url).hostname:
+                    self.problems.append(f"{where}.services.{service}: expected an https URL")
+                else:
+                    checked[service] = url if url.endswith("/") else url + "/"
+            if hostname:
+                hosts[hostname] = UpstreamHostConfig(services=checked)
+        return hosts
+
+    # Small typed readers: each records a problem and returns a fallback on bad input.
+
+    def _table(self, raw: dict[str, Any], key: str) -> dict[str, Any]:
+        value = raw.get(key, {})
+        if not isinstance(value, dict):
+            self.problems.append(f"{key}: expected a table")
+            return {}
+        return value
+
+    def _unknown(self, table: dict[str, Any], prefix: str, known: tuple[str, ...]) -> None:
+        for key in table:
+            if key not in known:
+                self.problems.append(f"{prefix}{key}: unknown key")
+
+    def _str(self, where: str, table: dict[str, Any], key: str) -> str | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            self.problems.append(f"{where}: expected a string, got {type(value).__name__}")
+            return None
+        return value
+
+    def _path(self, where: str, table: dict[str, Any], key: str) -> Path | None:
+        value = self._str(where, table, key)
+        return Path(value).expanduser() if value else None
+
+    def _hostname(self, where: str, value: str) -> str | None:
+        try:
+            return normalize_hostname(value)
+        except BadRequest as exc:
+            self.problems.append(f"{where}: {exc.message}")
+            return None
+
+    def _number(self, where: str, table: dict[str, Any], key: str, default: float) -> float:
+        value = table.get(key, default)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.problems.append(f"{where}: expected a number of seconds, got {value!r}")
+            return default
+        if isinstance(value, bool) or number <= 0:
+            self.problems.append(f"{where}: expected a positive number, got {value!r}")
+            return default
+        return number
+
+    def _size(self, where: str, table: dict[str, Any], key: str, default: int) -> int:
+        value = table.get(key, default)
+        size = parse_size(value)
+        if size is None or size <= 0:
+            self.problems.append(f"{where}: expected a size such as \"512MiB\", got {value!r}")
+            return default
+        return size
+
+
+def parse_size(value: object) -> int | None:
+    """Parse `123`, `"512MiB"`, `"2GB"` into bytes; None when malformed."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str):
+        return None
+    match = _SIZE.match(value)
+    if not match:
+        return None
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+
+
+def _parse_listen(value: object) -> tuple[str, int] | None:
+    if not isinstance(value, str):
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        return None
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)

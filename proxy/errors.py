@@ -1,0 +1,45 @@
+"""The error taxonomy: every error a client can see carries its HTTP status."""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """Base of all errors that become a JSON error response."""
+
+    status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ProxyError):
+    """The client sent something malformed."""
+
+    status = 400
+
+
+class NotFound(ProxyError):
+    """The proxy cannot serve this address (unknown host, provider, version or file)."""
+
+    status = 404
+
+
+class UpstreamError(ProxyError):
+    """Upstream failed or answered something the proxy cannot use."""
+
+    status = 502
+
+
+class IntegrityError(UpstreamError):
+    """Upstream bytes failed verification (checksum, SHA256SUMS entry or signature)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UpstreamTimeout(UpstreamError):
+    """Upstream did not answer in time."""
+
+    status = 504

@@ -1,0 +1,43 @@
+"""Prometheus metrics, one registry per app. Labels are bounded: never a version, provider
+name, os or arch."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+
+class Metrics:
+    """Every metric the proxy exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "tfproxy_http_requests", "Client requests by route and status class.",
+            ["route", "status_class"], registry=self.registry)
+        self.cache_lookups = Counter(
+            "tfproxy_cache_lookups", "Cache lookups by kind and result (hit, miss, stale).",
+            ["kind", "result"], registry=self.registry)
+        self.upstream_requests = Counter(
+            "tfproxy_upstream_requests", "Upstream requests by origin host and outcome.",
+            ["host", "outcome"], registry=self.registry)
+        self.upstream_latency = Histogram(
+            "tfproxy_upstream_request_duration_seconds", "Upstream request latency.",
+            ["host"], registry=self.registry)
+        self.upstream_bytes = Counter(
+            "tfproxy_upstream_fetched_bytes", "Bytes fetched from upstream.",
+            ["kind"], registry=self.registry)
+        self.served_bytes = Counter(
+            "tfproxy_served_bytes", "Package bytes served to clients.",
+            registry=self.registry)
+        self.integrity_failures = Counter(
+            "tfproxy_integrity_failures", "Upstream artifacts that failed verification.",
+            ["kind"], registry=self.registry)
+        self.fills_in_flight = Gauge(
+            "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

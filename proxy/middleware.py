@@ -1,0 +1,53 @@
+"""Request middleware: JSON error bodies for every failure, and request metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from proxy.errors import ProxyError
+from proxy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def json_error(status: int, message: str) -> web.Response:
+    """The one error shape: `{"errors": ["..."]}`."""
+    return web.Response(status=status, body=json.dumps({"errors": [message]}).encode(),
+                        content_type="application/json")
+
+
+def error_middleware(metrics: Metrics) -> Middleware:
+    """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = _route_name(request)
+        try:
+            response = await handler(request)
+        except ProxyError as exc:
+            if exc.status >= 500:
+                log.warning("%s %s -> %d: %s", request.method, request.path, exc.status,
+                            exc.message)
+            response = json_error(exc.status, exc.message)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = json_error(exc.status, exc.reason)
+        except Exception:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            response = json_error(500, "internal error")
+        metrics.requests.labels(route, f"{response.status // 100}xx").inc()
+        return response
+
+    return middleware
+
+
+def _route_name(request: web.Request) -> str:
+    info = request.match_info
+    route = getattr(info, "route", None)
+    name = getattr(route, "name", None)
+    return name if isinstance(name, str) else "unmatched"

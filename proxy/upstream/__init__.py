@@ -1,0 +1,1 @@
+"""Adapters for outbound HTTP: the only code that talks to upstream registries."""

@@ -1,0 +1,95 @@
+"""Remote service discovery: which registry services an upstream host offers.
+
+https://developer.hashicorp.com/terraform/internals/remote-service-discovery
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from urllib.parse import urljoin, urlsplit
+
+from proxy.config import KNOWN_SERVICES, UpstreamConfig
+from proxy.errors import NotFound, UpstreamError
+from proxy.singleflight import SingleFlight
+from proxy.upstream.http import MAX_JSON_BYTES, UpstreamHTTP
+
+log = logging.getLogger(__name__)
+
+
+class Discovery:
+    """Resolves a hostname to its service base URLs. Configured hosts skip the network."""
+
+    def __init__(self, http: UpstreamHTTP, config: UpstreamConfig) -> None:
+        self._http = http
+        self._config = config
+        self._cache: dict[str, tuple[float, Mapping[str, str]]] = {}
+        self._flights: SingleFlight[Mapping[str, str]] = SingleFlight()
+
+    def is_allowed(self, hostname: str) -> bool:
+        """Whether the proxy may serve (and contact) this normalized hostname."""
+        return hostname in self._config.all_hosts
+
+    async def service_url(self, hostname: str, service: str) -> str:
+        """The base URL (ending in `/`) of `service` on `hostname`; NotFound if not offered."""
+        if not self.is_allowed(hostname):
+            raise NotFound(f"host {hostname} is not served by this proxy")
+        services = await self.services(hostname)
+        url = services.get(service)
+        if url is None:
+            raise NotFound(f"host {hostname} offers no {service} service")
+        return url
+
+    async def services(self, hostname: str) -> Mapping[str, str]:
+        """The services of an allowed host: configured, cached (TTL) or discovered."""
+        override = self._config.hosts.get(hostname)
+        if override is not None:
+            return override.services
+        cached = self._cache.get(hostname)
+        if cached is not None and time.monotonic() - cached[0] < self._config.discovery_ttl:
+            return cached[1]
+        try:
+            services = await self._flights.run(hostname, lambda: self._discover(hostname))
+        except UpstreamError:
+            if cached is not None:
+                log.warning("discovery for %s failed; using the stale answer", hostname)
+                return cached[1]
+            raise
+        self._cache[hostname] = (time.monotonic(), services)
+        return services
+
+    async def _discover(self, hostname: str) -> Mapping[str, str]:
+        url = f"https://{hostname}/.well-known/terraform.json"
+        fetched = await self._http.get(url, hostname, MAX_JSON_BYTES)
+        if fetched.status >= 500 or fetched.status == 429:
+            raise UpstreamError(f"discovery on {hostname} answered {fetched.status}")
+        if fetched.status != 200:
+            log.info("discovery on %s answered %s: no services", hostname, fetched.status)
+            return {}
+        return parse_discovery(fetched.body, fetched.content_type, fetched.url)
+
+
+def parse_discovery(body: bytes, content_type: str, final_url: str) -> dict[str, str]:
+    """Services from a discovery document: application/json, a JSON object; relative URLs
+    resolve against the final URL. Anything else means the host offers no services."""
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        return {}
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if not isinstance(document, dict):
+        return {}
+    services: dict[str, str] = {}
+    for name in KNOWN_SERVICES:
+        value = document.get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        url = urljoin(final_url, value)
+        if urlsplit(url).scheme != "https":
+            continue
+        # Clients do not add the trailing slash; neither may we drop path segments.
+        services[name] = url if url.endswith("/") else url + "/"
+    return services

@@ -1,0 +1,198 @@
+"""Bounded, verified outbound HTTPS: timeouts, size caps, redirect limit, https only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
+
+import aiohttp
+
+from proxy.config import UpstreamConfig
+from proxy.errors import NotFound, UpstreamError, UpstreamTimeout
+from proxy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_BYTES = 1 << 20  # what Terraform and OpenTofu accept for registry documents
+MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
+_CHUNK = 1 << 16
+USER_AGENT = "tf-registry-proxy/0.1"
+
+
+def make_ssl_context(config: UpstreamConfig) -> ssl.SSLContext:
+    """System trust store plus the configured extra CA bundle; verification always on."""
+    context = ssl.create_default_context()
+    if config.ca_bundle is not None:
+        context.load_verify_locations(cafile=str(config.ca_bundle))
+    return context
+
+
+def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
+    """The one outbound session: honors HTTPS_PROXY/NO_PROXY (trust_env)."""
+    connector = aiohttp.TCPConnector(ssl=make_ssl_context(config), limit=64,
+                                     ttl_dns_cache=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        trust_env=True,
+        headers={"User-Agent": USER_AGENT},
+        auto_decompress=False,
+    )
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A small upstream body with the URL it finally came from."""
+
+    url: str
+    status: int
+    content_type: str
+    body: bytes
+
+
+class UpstreamHTTP:
+    """GET with bounded redirects and sizes; errors become ProxyErrors."""
+
+    def __init__(self, session: aiohttp.ClientSession, config: UpstreamConfig,
+                 metrics: Metrics) -> None:
+        self._session = session
+        self._config = config
+        self._metrics = metrics
+
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, sock_connect=self._config.connect_timeout)
+
+    @asynccontextmanager
+    async def _open(self, url: str, origin: str, total: float,
+                    headers: dict[str, str] | None = None
+                    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Follow redirects by hand so every hop is checked (https only, bounded count)."""
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            for _hop in range(MAX_REDIRECTS + 1):
+                _require_https(url)
+                async with self._session.get(url, allow_redirects=False, headers=headers,
+                                             timeout=self._timeout(total)) as response:
+                    if response.status in _REDIRECTS and "Location" in response.headers:
+                        url = urljoin(url, response.headers["Location"])
+                        continue
+                    outcome = _outcome(response.status)
+                    yield response
+                    return
+            outcome = "error"
+            raise UpstreamError(f"upstream {origin}: more than {MAX_REDIRECTS} redirects")
+        except TimeoutError:
+            outcome = "timeout"
+            raise UpstreamTimeout(f"upstream {origin} did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"cannot reach upstream {origin}: {_describe(exc)}") from None
+        finally:
+            self._metrics.upstream_requests.labels(origin, outcome).inc()
+            self._metrics.upstream_latency.labels(origin).observe(time.monotonic() - started)
+
+    async def get(self, url: str, origin: str, max_bytes: int,
+                  accept: str = "application/json") -> Fetched:
+        """GET a small document whatever its status; the body is capped at max_bytes."""
+        async with self._open(url, origin, self._config.metadata_timeout,
+                              {"Accept": accept}) as response:
+            body = await _read_capped(response, max_bytes, origin)
+            self._metrics.upstream_bytes.labels("metadata").inc(len(body))
+            return Fetched(str(response.url), response.status,
+                           response.headers.get("Content-Type", ""), body)
+
+    async def get_json(self, url: str, origin: str) -> tuple[str, object]:
+        """GET a JSON document that must exist: 404 -> NotFound, other non-200 -> 502."""
+        fetched = await self.get(url, origin, MAX_JSON_BYTES)
+        _require_ok(fetched, origin)
+        try:
+            return fetched.url, json.loads(fetched.body)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UpstreamError(f"upstream {origin} answered invalid JSON for {url}") from None
+
+    async def get_bytes(self, url: str, origin: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+        """GET a small file that must exist (SHA256SUMS, signatures)."""
+        fetched = await self.get(url, origin, max_bytes, accept="*/*")
+        _require_ok(fetched, origin)
+        return fetched.body
+
+    @asynccontextmanager
+    async def stream(self, url: str, origin: str, max_bytes: int
+                     ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Open a large download; yields an iterator of chunks that enforces max_bytes."""
+        async with self._open(url, origin, self._config.download_timeout,
+                              {"Accept": "*/*"}) as response:
+            if response.status != 200:
+                raise UpstreamError(f"upstream {origin} answered {response.status} for a "
+                                    "package download")
+            length = response.content_length
+            if length is not None and length > max_bytes:
+                raise UpstreamError(f"upstream {origin} package is {length} bytes, over the "
+                                    f"{max_bytes}-byte limit")
+            yield self._chunks(response, origin, max_bytes)
+
+    async def _chunks(self, response: aiohttp.ClientResponse, origin: str,
+                      max_bytes: int) -> AsyncIterator[bytes]:
+        seen = 0
+        try:
+            async for chunk in response.content.iter_chunked(_CHUNK):
+                seen += len(chunk)
+                if seen > max_bytes:
+                    raise UpstreamError(f"upstream {origin} package exceeds the "
+                                        f"{max_bytes}-byte limit")
+                self._metrics.upstream_bytes.labels("package").inc(len(chunk))
+                yield chunk
+        except TimeoutError:
+            raise UpstreamTimeout(f"upstream {origin} download stalled") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream {origin} download failed: {_describe(exc)}") from None
+
+
+def _require_https(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise UpstreamError(f"refusing non-https upstream URL {url[:200]!r}")
+
+
+def _require_ok(fetched: Fetched, origin: str) -> None:
+    if fetched.status == 404:
+        raise NotFound(f"upstream {origin} has no such object")
+    if fetched.status != 200:
+        raise UpstreamError(f"upstream {origin} answered {fetched.status}")
+
+
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, origin: str) -> bytes:
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise UpstreamError(f"upstream {origin} answer is larger than {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_CHUNK):
+        body += chunk
+        if len(body) > max_bytes:
+            raise UpstreamError(f"upstream {origin} answer is larger than {max_bytes} bytes")
+    return bytes(body)
+
+
+def _outcome(status: int) -> str:
+    if status < 300:
+        return "ok"
+    if status < 500:
+        return "client_error"
+    return "server_error"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text[:300]
+
+
+async def close_session(session: aiohttp.ClientSession) -> None:
+    """Close the session and give the transports a moment to shut down cleanly."""
+    await session.close()
+    await asyncio.sleep(0)

@@ -1,0 +1,56 @@
+"""Client of an upstream provider registry (`providers.v1`).
+
+https://developer.hashicorp.com/terraform/internals/provider-registry-protocol
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+
+from proxy.models import Platform, ProviderAddress
+from proxy.registry_documents import DownloadInfo, VersionEntry, parse_download, parse_versions
+from proxy.upstream.discovery import Discovery
+from proxy.upstream.http import UpstreamHTTP
+
+_MAX_SUMS_BYTES = 1 << 20
+_MAX_SIGNATURE_BYTES = 64 << 10
+
+
+class ProviderRegistryClient:
+    """Fetches provider metadata and signature material from the origin registry."""
+
+    def __init__(self, http: UpstreamHTTP, discovery: Discovery) -> None:
+        self._http = http
+        self._discovery = discovery
+
+    async def _base(self, provider: ProviderAddress) -> str:
+        return await self._discovery.service_url(provider.hostname, "providers.v1")
+
+    async def list_versions(self, provider: ProviderAddress) -> list[VersionEntry]:
+        """`GET :namespace/:type/versions`."""
+        base = await self._base(provider)
+        _url, document = await self._http.get_json(
+            f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname)
+        return parse_versions(document)
+
+    async def download_info(self, provider: ProviderAddress, version: str,
+                            platform: Platform) -> DownloadInfo:
+        """`GET :namespace/:type/:version/download/:os/:arch`."""
+        base = await self._base(provider)
+        url = (f"{base}{provider.namespace}/{provider.type}/{version}/download/"
+               f"{platform.os}/{platform.arch}")
+        final_url, document = await self._http.get_json(url, provider.hostname)
+        return parse_download(document, final_url, platform)
+
+    async def shasums(self, provider: ProviderAddress, info: DownloadInfo) -> tuple[bytes, bytes]:
+        """The SHA256SUMS file and its detached signature, as upstream published them."""
+        sums = await self._http.get_bytes(info.shasums_url, provider.hostname, _MAX_SUMS_BYTES)
+        signature = await self._http.get_bytes(info.shasums_signature_url, provider.hostname,
+                                               _MAX_SIGNATURE_BYTES)
+        return sums, signature
+
+    def open_package(self, provider: ProviderAddress, download_url: str,
+                     max_bytes: int) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+        """Stream the package zip from its (verified download document's) URL."""
+        return self._http.stream(download_url, provider.hostname, max_bytes)
