@@ -114,11 +114,9 @@ class ProviderMirror:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
             return path
         self._metrics.cache_lookups.labels("archive", "miss").inc()
-        await self._version_entry(provider, version)  # 404 for versions upstream does not list
-        package = await self._package(provider, version, platform)
         key = ("archive", str(provider), version, platform.key)
         return await self._archive_fills.run(
-            key, lambda: self._fill_archive(provider, version, platform, package))
+            key, lambda: self._fill_archive(provider, version, platform))
 
     # --- versions ------------------------------------------------------------------------
 
@@ -222,8 +220,15 @@ class ProviderMirror:
         return [provider.hostname, provider.namespace, provider.type, version,
                 provider.archive_filename(version, platform)]
 
-    async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
-                            package: dict[str, Any]) -> Path:
+    async def _fill_archive(self, provider: ProviderAddress, version: str,
+                            platform: Platform) -> Path:
+        parts = self._archive_parts(provider, version, platform)
+        # A fill that finished after the caller's lookup has already published the file.
+        published = await self._archives.lookup(parts)
+        if published is not None:
+            return published
+        await self._version_entry(provider, version)  # 404 for versions upstream does not list
+        package = await self._package(provider, version, platform)
         info_url = package["download_url"]
         self._metrics.fills_in_flight.inc()
         try:
@@ -232,9 +237,7 @@ class ProviderMirror:
                                                  self._config.max_archive_size)
             async with stream as chunks:
                 try:
-                    stored = await self._archives.store(
-                        self._archive_parts(provider, version, platform), chunks,
-                        package["shasum"])
+                    stored = await self._archives.store(parts, chunks, package["shasum"])
                 except IntegrityError as exc:
                     raise self._integrity(exc.kind, f"{provider} {version} {platform.key}: "
                                           f"{exc.message}") from None

@@ -1,0 +1,217 @@
+"""A fake upstream registry over HTTPS that speaks the real protocols.
+
+Real zips, a real SHA256SUMS and a real detached OpenPGP signature per release; discovery,
+the provider registry protocol and file downloads; a log of every request; and fault switches
+(down, corrupt, badsig, missing platforms) that tests flip to break it on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import ssl
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trustme
+from aiohttp import web
+
+from tests.support.gpg import GpgKey
+
+DEFAULT_PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
+
+
+@dataclass
+class Release:
+    """One provider version as upstream publishes it."""
+
+    namespace: str
+    type: str
+    version: str
+    platforms: tuple[str, ...]
+    zips: dict[str, bytes] = field(default_factory=dict)
+    binaries: dict[str, bytes] = field(default_factory=dict)
+    sums: bytes = b""
+    signature: bytes = b""
+    bad_signature: bytes = b""
+
+    def filename(self, platform: str) -> str:
+        return f"terraform-provider-{self.type}_{self.version}_{platform}.zip"
+
+    @property
+    def sums_name(self) -> str:
+        return f"terraform-provider-{self.type}_{self.version}_SHA256SUMS"
+
+    def sha256(self, platform: str) -> str:
+        return hashlib.sha256(self.zips[platform]).hexdigest()
+
+
+def build_zip(members: dict[str, tuple[bytes, int]]) -> bytes:
+    """A zip with the given (content, mode) members, like a provider release."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, (content, mode) in members.items():
+            info = zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0))
+            info.external_attr = mode << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, content)
+    return buffer.getvalue()
+
+
+class FakeRegistry:
+    """The upstream. Runs its own event loop in a thread so sync and async tests can share it."""
+
+    def __init__(self, ca: trustme.CA, signer: GpgKey, impostor: GpgKey) -> None:
+        self.ca = ca
+        self.signer = signer
+        self.impostor = impostor
+        self.releases: dict[tuple[str, str, str], Release] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.faults: set[str] = set()
+        self.extra_versions: dict[tuple[str, str], list[object]] = {}
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    # --- content -------------------------------------------------------------------------
+
+    def add_release(self, namespace: str, type_: str, version: str,
+                    platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+                    padding: int = 4096) -> Release:
+        """Publish a version: one zip per platform, SHA256SUMS, signature."""
+        release = Release(namespace, type_, version, platforms)
+        for platform in platforms:
+            binary = (f"#!/bin/sh\necho fake {namespace}/{type_} {version} {platform}\n"
+                      .encode() + hashlib.sha256(f"{type_}{version}{platform}".encode())
+                      .digest() * (padding // 32))
+            release.binaries[platform] = binary
+            release.zips[platform] = build_zip({
+                f"terraform-provider-{type_}_v{version}": (binary, 0o755),
+                "LICENSE": (b"MPL-2.0\n", 0o644),
+            })
+        release.sums = "".join(f"{release.sha256(p)}  {release.filename(p)}\n"
+                               for p in platforms).encode()
+        release.signature = self.signer.detach_sign(release.sums)
+        release.bad_signature = self.impostor.detach_sign(release.sums)
+        self.releases[(namespace, type_, version)] = release
+        return release
+
+    # --- observation ---------------------------------------------------------------------
+
+    def paths(self, method: str = "GET") -> list[str]:
+        """Paths requested so far with that method."""
+        return [p for m, p in list(self.requests) if m == method]
+
+    def archive_requests(self) -> list[str]:
+        return [p for p in self.paths() if p.endswith(".zip")]
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.faults.clear()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def providers_url(self) -> str:
+        return f"{self.url}/v1/providers/"
+
+    # --- server --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    async def _start(self) -> None:
+        app = web.Application(middlewares=[self._log_and_faults])
+        app.router.add_get("/.well-known/terraform.json", self._discovery)
+        app.router.add_get("/v1/providers/{ns}/{type}/versions", self._versions)
+        app.router.add_get("/v1/providers/{ns}/{type}/{version}/download/{os}/{arch}",
+                           self._download)
+        app.router.add_get("/files/{ns}/{type}/{version}/{name}", self._file)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=context)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    @web.middleware
+    async def _log_and_faults(self, request: web.Request, handler: object) -> web.StreamResponse:
+        self.requests.append((request.method, request.path))
+        if "down" in self.faults:
+            return web.Response(status=503, text="upstream is down")
+        return await handler(request)  # type: ignore[operator]
+
+    async def _discovery(self, _request: web.Request) -> web.Response:
+        return web.json_response({"providers.v1": "/v1/providers/"})
+
+    async def _versions(self, request: web.Request) -> web.Response:
+        ns, type_ = request.match_info["ns"], request.match_info["type"]
+        versions: list[object] = [
+            {"version": r.version, "protocols": ["5.0"],
+             "platforms": [dict(zip(("os", "arch"), p.split("_"), strict=True))
+                           for p in r.platforms]}
+            for (n, t, _v), r in self.releases.items() if (n, t) == (ns, type_)]
+        versions += self.extra_versions.get((ns, type_), [])
+        if not versions:
+            raise web.HTTPNotFound()
+        return web.json_response({"versions": versions})
+
+    async def _download(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        release = self.releases.get((info["ns"], info["type"], info["version"]))
+        platform = f"{info['os']}_{info['arch']}"
+        if release is None or platform not in release.platforms \
+                or f"missing:{platform}" in self.faults:
+            raise web.HTTPNotFound()
+        files = f"/files/{release.namespace}/{release.type}/{release.version}/"
+        keys = [] if "nokeys" in self.faults else [{
+            "key_id": self.signer.fingerprint[-16:],
+            "ascii_armor": self.signer.armored_public_key,
+            "trust_signature": "", "source": "Test", "source_url": None}]
+        shasum = release.sha256(platform)
+        if "wrongshasum" in self.faults:
+            shasum = hashlib.sha256(b"something else").hexdigest()
+        return web.json_response({
+            "protocols": ["5.0"], "os": info["os"], "arch": info["arch"],
+            "filename": release.filename(platform),
+            "download_url": files + release.filename(platform),
+            "shasums_url": files + release.sums_name,
+            "shasums_signature_url": files + release.sums_name + ".sig",
+            "shasum": shasum,
+            "signing_keys": {"gpg_public_keys": keys},
+        })
+
+    async def _file(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        release = self.releases.get((info["ns"], info["type"], info["version"]))
+        if release is None:
+            raise web.HTTPNotFound()
+        name = info["name"]
+        if name == release.sums_name:
+            return web.Response(body=release.sums, content_type="text/plain")
+        if name == release.sums_name + ".sig":
+            body = release.bad_signature if "badsig" in self.faults else release.signature
+            return web.Response(body=body, content_type="application/octet-stream")
+        for platform in release.platforms:
+            if name == release.filename(platform):
+                body = release.zips[platform]
+                if "corrupt" in self.faults:
+                    body = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
+                return web.Response(body=body, content_type="application/zip")
+        raise web.HTTPNotFound()

@@ -1,0 +1,254 @@
+"""The network mirror protocol, in-process, against the fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import zipfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from proxy.app import create_app
+from proxy.config import Config, load_config
+from proxy.hashes import h1_from_entries
+from tests.support.fake_registry import FakeRegistry
+
+BASE = "/mirror/registry.terraform.io/hashicorp/null"
+ZIP = "terraform-provider-null_3.2.1_linux_amd64.zip"
+MakeClient = Callable[[Config], Awaitable[TestClient]]
+
+
+@pytest.fixture
+def make_client(aiohttp_client) -> MakeClient:  # type: ignore[no-untyped-def]
+    async def make(config: Config) -> TestClient:
+        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
+    return make
+
+
+@pytest.fixture
+async def client(make_client: MakeClient, proxy_config: Config) -> TestClient:
+    return await make_client(proxy_config)
+
+
+def zip_h1(data: bytes) -> str:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return h1_from_entries((i.filename, archive.read(i)) for i in archive.infolist())
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_index_lists_upstream_versions(client: TestClient, registry: FakeRegistry) -> None:
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 200
+    assert response.content_type == "application/json"
+    assert await response.json() == {"versions": {"3.1.0": {}, "3.2.1": {}}}
+    assert registry.paths() == ["/v1/providers/hashicorp/null/versions"]
+
+
+async def test_index_drops_invalid_upstream_versions(client: TestClient,
+                                                    registry: FakeRegistry) -> None:
+    registry.extra_versions[("hashicorp", "null")] = [
+        {"version": "v1.0.0"}, {"version": "1.02.0"}, {"version": "latest"}, {"version": 5},
+        "garbage", {"version": "4.0.0-beta.1", "platforms": "nope"}]
+    try:
+        body = await (await client.get(f"{BASE}/index.json")).json()
+    finally:
+        registry.extra_versions.clear()
+    assert body == {"versions": {"3.1.0": {}, "3.2.1": {}, "4.0.0-beta.1": {}}}
+
+
+async def test_version_document_lists_every_platform_with_signed_zh(
+        client: TestClient, registry: FakeRegistry) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 200, await response.text()
+    assert response.content_type == "application/json"
+    body = await response.json()
+    assert body == {"archives": {
+        platform: {"url": f"terraform-provider-null_3.2.1_{platform}.zip",
+                   "hashes": [f"zh:{release.sha256(platform)}"]}
+        for platform in release.platforms}}
+    # The signature material was fetched (and checked) once for all platforms.
+    sums = [p for p in registry.paths() if "SHA256SUMS" in p]
+    assert sorted(sums) == sorted({p for p in sums})
+    assert len(sums) == 2
+
+
+async def test_archive_is_fetched_once_verified_and_served_byte_for_byte(
+        client: TestClient, registry: FakeRegistry) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    responses = await asyncio.gather(*(client.get(f"{BASE}/{ZIP}") for _ in range(10)))
+    for response in responses:
+        assert response.status == 200
+        assert response.content_type == "application/zip"
+        assert await response.read() == release.zips["linux_amd64"]
+    assert len(registry.archive_requests()) == 1
+
+    again = await client.get(f"{BASE}/{ZIP}")
+    assert await again.read() == release.zips["linux_amd64"]
+    assert len(registry.archive_requests()) == 1
+
+    document = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert document["archives"]["linux_amd64"]["hashes"] == [
+        zip_h1(release.zips["linux_amd64"]), f"zh:{release.sha256('linux_amd64')}"]
+
+
+async def test_head_on_archive(client: TestClient) -> None:
+    response = await client.head(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert int(response.headers["Content-Length"]) > 0
+
+
+async def test_corrupt_zip_is_refused_and_not_cached(
+        client: TestClient, registry: FakeRegistry, proxy_config: Config) -> None:
+    registry.faults.add("corrupt")
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 502
+    errors = (await response.json())["errors"]
+    assert "sha256" in errors[0] and "does not match" in errors[0]
+    assert not list((proxy_config.cache.dir / "archives").rglob("*.zip"))
+    assert not list((proxy_config.cache.dir / "tmp").iterdir())
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_integrity_failures_total", kind="checksum") == 1
+
+    registry.faults.clear()
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert len(registry.archive_requests()) == 2
+
+
+async def test_bad_signature_is_refused_and_nothing_is_served(
+        client: TestClient, registry: FakeRegistry, proxy_config: Config) -> None:
+    registry.faults.add("badsig")
+    for path in (f"{BASE}/3.2.1.json", f"{BASE}/{ZIP}"):
+        response = await client.get(path)
+        assert response.status == 502
+        assert "signature does not verify" in (await response.json())["errors"][0]
+    assert registry.archive_requests() == []
+    assert not list((proxy_config.cache.dir / "archives").rglob("*.zip"))
+
+    registry.faults.clear()  # a failure is not remembered: the good release now verifies
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("nokeys", "no signing keys"),
+    ("wrongshasum", "SHA256SUMS lists"),
+])
+async def test_unverifiable_release_is_refused(client: TestClient, registry: FakeRegistry,
+                                               fault: str, message: str) -> None:
+    registry.faults.add(fault)
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 502
+    assert message in (await response.json())["errors"][0]
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 502
+    assert registry.archive_requests() == []
+
+
+async def test_half_published_platform_is_left_out_then_picked_up(
+        client: TestClient, registry: FakeRegistry) -> None:
+    registry.faults.add("missing:windows_amd64")
+    body = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert sorted(body["archives"]) == ["darwin_arm64", "linux_amd64"]
+    registry.faults.clear()
+    body = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert sorted(body["archives"]) == ["darwin_arm64", "linux_amd64", "windows_amd64"]
+
+
+@pytest.mark.parametrize("path", [
+    "/mirror/example.com/hashicorp/null/index.json",
+    "/mirror/registry.terraform.io/hashicorp/nosuch/index.json",
+    "/mirror/registry.terraform.io/hashicorp/null/9.9.9.json",
+    f"/mirror/registry.terraform.io/hashicorp/null/{ZIP.replace('3.2.1', '9.9.9')}",
+    "/mirror/registry.terraform.io/hashicorp/null/README.md",
+    "/nothing/here",
+])
+async def test_unknown_things_are_json_404(client: TestClient, registry: FakeRegistry,
+                                           path: str) -> None:
+    response = await client.get(path)
+    assert response.status == 404
+    assert response.content_type == "application/json"
+    assert (await response.json())["errors"]
+    if path.startswith("/mirror/example.com") or path == "/nothing/here":
+        assert registry.requests == []
+
+
+@pytest.mark.parametrize("path", [
+    "/mirror/registry.terraform.io/hashicorp/null/1.0.json",
+    "/mirror/registry.terraform.io/hashicorp/null/v3.2.1.json",
+    "/mirror/registry.terraform.io/hashi_corp/null/index.json",
+    "/mirror/registry.terraform.io/hashicorp/null%2F..%2F..%2Fetc/index.json",
+    "/mirror/registry.terraform.io/..%2F..%2Fetc/null/index.json",
+    "/mirror/user@registry.terraform.io/hashicorp/null/index.json",
+    "/mirror/169.254.169.254/hashicorp/null/index.json",
+    "/mirror/registry.terraform.io/hashicorp/null/terraform-provider-null_3.2.1_linux_..%2F.zip",
+    "/mirror/registry.terraform.io/hashicorp/null/terraform-provider-null_3.2.1.zip",
+])
+async def test_malformed_requests_are_json_400_without_upstream_traffic(
+        client: TestClient, registry: FakeRegistry, path: str) -> None:
+    response = await client.get(path)
+    assert response.status in (400, 404)
+    assert response.content_type == "application/json"
+    assert registry.requests == []
+
+
+async def test_upstream_down_without_cache_is_502(client: TestClient,
+                                                  registry: FakeRegistry) -> None:
+    registry.faults.add("down")
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 502
+    assert "503" in (await response.json())["errors"][0]
+
+
+async def test_stale_versions_are_served_when_upstream_fails(
+        make_client: MakeClient, write_config: Callable[..., Path],
+        registry: FakeRegistry) -> None:
+    config = load_config(write_config(extra="", ), environ={
+        "TF_REGISTRY_PROXY_UPSTREAM_VERSIONS_TTL": "0.001"})
+    client = await make_client(config)
+    assert (await client.get(f"{BASE}/index.json")).status == 200
+    await asyncio.sleep(0.01)
+    registry.faults.add("down")
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 200
+    assert "3.2.1" in (await response.json())["versions"]
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_cache_lookups_total", kind="versions", result="stale") == 1
+
+
+async def test_cache_survives_restart_and_serves_without_upstream(
+        make_client: MakeClient, proxy_config: Config, registry: FakeRegistry) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    first = await make_client(proxy_config)
+    assert (await first.get(f"{BASE}/{ZIP}")).status == 200
+    await first.close()
+
+    registry.faults.add("down")
+    second = await make_client(proxy_config)
+    response = await second.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert await response.read() == release.zips["linux_amd64"]
+    document = await second.get(f"{BASE}/3.2.1.json")
+    assert document.status == 200
+    assert "linux_amd64" in (await document.json())["archives"]
+
+
+async def test_healthz_and_metrics(client: TestClient) -> None:
+    response = await client.get("/healthz")
+    assert response.status == 200
+    assert await response.json() == {"status": "ok"}
+    await client.get(f"{BASE}/index.json")
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "tfproxy_http_requests_total", route="mirror", status_class="2xx") == 1
+    assert metric(text, "tfproxy_cache_lookups_total", kind="versions", result="miss") == 1
