@@ -309,7 +309,7 @@ def parse_size(value: object) -> int | None:
         return value
     if not isinstance(value, str):
         return None
-    match = _SIZE.match(value)
+    match = _SIZE.fullmatch(value)
     if not match:
         return None
     return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]

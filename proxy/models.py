@@ -62,19 +62,19 @@ def normalize_hostname(text: str) -> str:
 
 def parse_version(text: str) -> str:
     """Validate a semantic version string and return it unchanged."""
-    if len(text) > _MAX_VERSION or not _SEMVER.match(text):
+    if len(text) > _MAX_VERSION or not _SEMVER.fullmatch(text):
         raise BadRequest(f"invalid version {text[:80]!r}")
     return text
 
 
 def is_valid_version(text: object) -> bool:
     """True for a version string a Terraform client will accept."""
-    return isinstance(text, str) and len(text) <= _MAX_VERSION and bool(_SEMVER.match(text))
+    return isinstance(text, str) and len(text) <= _MAX_VERSION and bool(_SEMVER.fullmatch(text))
 
 
 def version_sort_key(version: str) -> tuple[int, int, int, int, tuple[tuple[int, int | str], ...]]:
     """Semver precedence as a sort key (build metadata ignored, pre-releases sort first)."""
-    match = _SEMVER.match(version)
+    match = _SEMVER.fullmatch(version)
     if match is None:
         raise ValueError(version)
     major, minor, patch, pre, _build = match.groups()
@@ -87,7 +87,7 @@ def version_sort_key(version: str) -> tuple[int, int, int, int, tuple[tuple[int,
 def parse_provider_part(text: str, what: str) -> str:
     """Validate a provider namespace or type; returns its lowercase form."""
     lowered = text.lower()
-    if len(lowered) > _MAX_PART or not _PROVIDER_PART.match(lowered):
+    if len(lowered) > _MAX_PART or not _PROVIDER_PART.fullmatch(lowered):
         raise BadRequest(f"invalid provider {what} {text[:80]!r}")
     return lowered
 
@@ -102,7 +102,7 @@ class Platform:
     @classmethod
     def parse(cls, os: str, arch: str) -> Platform:
         """Validate os and arch separately."""
-        if not _PLATFORM_PART.match(os) or not _PLATFORM_PART.match(arch):
+        if not _PLATFORM_PART.fullmatch(os) or not _PLATFORM_PART.fullmatch(arch):
             raise BadRequest(f"invalid platform {os[:40]!r}_{arch[:40]!r}")
         return cls(os, arch)
 

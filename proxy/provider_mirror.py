@@ -142,8 +142,6 @@ class ProviderMirror:
         try:
             entries = await self._version_fills.run(
                 key, lambda: self._registry.list_versions(provider))
-        except NotFound:
-            raise NotFound(f"upstream has no provider {provider}") from None
         except UpstreamError as exc:
             if record is None:
                 raise

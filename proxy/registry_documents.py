@@ -77,10 +77,10 @@ def parse_download(document: object, final_url: str, platform: Platform) -> Down
             f"upstream download document is for {document.get('os')!r}_{document.get('arch')!r}"
             f", not {platform.key}")
     filename = document.get("filename")
-    if not isinstance(filename, str) or not _SAFE_FILENAME.match(filename):
+    if not isinstance(filename, str) or not _SAFE_FILENAME.fullmatch(filename):
         raise UpstreamError("upstream download document has an invalid filename")
     shasum = document.get("shasum")
-    if not isinstance(shasum, str) or not _SHA256_HEX.match(shasum):
+    if not isinstance(shasum, str) or not _SHA256_HEX.fullmatch(shasum):
         raise UpstreamError("upstream download document has an invalid shasum")
     keys_block = document.get("signing_keys")
     keys: list[str] = []
@@ -106,7 +106,7 @@ def parse_sha256sums(data: bytes) -> dict[str, str]:
     for raw_line in data.decode("utf-8", errors="replace").splitlines():
         digest, _, name = raw_line.strip().partition(" ")
         name = name.strip().removeprefix("*")
-        if _SHA256_HEX.match(digest.lower()) and name:
+        if _SHA256_HEX.fullmatch(digest.lower()) and name:
             sums[name] = digest.lower()
     return sums
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 
+from proxy.errors import NotFound
 from proxy.models import Platform, ProviderAddress
 from proxy.registry_documents import DownloadInfo, VersionEntry, parse_download, parse_versions
 from proxy.upstream.discovery import Discovery
@@ -30,8 +31,11 @@ class ProviderRegistryClient:
     async def list_versions(self, provider: ProviderAddress) -> list[VersionEntry]:
         """`GET :namespace/:type/versions`."""
         base = await self._base(provider)
-        _url, document = await self._http.get_json(
-            f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname)
+        try:
+            _url, document = await self._http.get_json(
+                f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname)
+        except NotFound:
+            raise NotFound(f"upstream has no provider {provider}") from None
         return parse_versions(document)
 
     async def download_info(self, provider: ProviderAddress, version: str,

@@ -136,6 +136,7 @@ class FakeRegistry:
     async def _start(self) -> None:
         app = web.Application(middlewares=[self._log_and_faults])
         app.router.add_get("/.well-known/terraform.json", self._discovery)
+        app.router.add_get("/moved/terraform.json", self._discovery)
         app.router.add_get("/v1/providers/{ns}/{type}/versions", self._versions)
         app.router.add_get("/v1/providers/{ns}/{type}/{version}/download/{os}/{arch}",
                            self._download)
@@ -157,8 +158,15 @@ class FakeRegistry:
             return web.Response(status=503, text="upstream is down")
         return await handler(request)  # type: ignore[operator]
 
-    async def _discovery(self, _request: web.Request) -> web.Response:
-        return web.json_response({"providers.v1": "/v1/providers/"})
+    async def _discovery(self, request: web.Request) -> web.Response:
+        if "moved-discovery" in self.faults and request.path.startswith("/.well-known/"):
+            raise web.HTTPFound("/moved/terraform.json")
+        if "html-discovery" in self.faults:
+            return web.Response(text="<html>captive portal</html>", content_type="text/html")
+        # Relative to the final URL of the document: from /moved/ this is /v1/providers/ too.
+        relative = "../v1/providers/" if request.path.startswith("/moved/") else "/v1/providers/"
+        return web.json_response({"providers.v1": relative,
+                                  "login.v1": {"client": "terraform-cli"}})
 
     async def _versions(self, request: web.Request) -> web.Response:
         ns, type_ = request.match_info["ns"], request.match_info["type"]

@@ -1,0 +1,126 @@
+"""Configuration loading: defaults, overrides, and every problem reported at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, default_cache_dir, load_config, parse_size
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_no_file_means_defaults() -> None:
+    config = load_config(None, environ={})
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8443)
+    assert config.server.base_url == "https://127.0.0.1:8443/"
+    assert config.cache.dir == default_cache_dir()
+    assert config.upstream.allowed_hosts == ("registry.terraform.io", "registry.opentofu.org")
+    assert config.upstream.ca_bundle is None
+    assert config.upstream.hosts == {}
+
+
+def test_full_file(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    config = load_config(write(tmp_path, f"""
+[server]
+listen = "0.0.0.0:9443"
+tls_cert = "{tmp_path}/c.pem"
+tls_key = "{tmp_path}/k.pem"
+public_url = "https://mirror.example:9443"
+[cache]
+dir = "{tmp_path}/cache"
+[upstream]
+ca_bundle = "{ca}"
+allowed_hosts = ["Registry.Terraform.IO", "bücher.example:443", "private.example:8443"]
+versions_ttl = 60
+max_archive_size = "512MiB"
+[upstream.hosts."registry.terraform.io"]
+services = {{ "providers.v1" = "https://127.0.0.1:1234/v1/providers", "modules.v1" = "https://127.0.0.1:1234/v1/modules/" }}
+"""), environ={})
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 9443)
+    assert config.server.base_url == "https://mirror.example:9443/"
+    assert config.cache.dir == tmp_path / "cache"
+    assert config.upstream.allowed_hosts == (
+        "registry.terraform.io", "xn--bcher-kva.example", "private.example:8443")
+    assert config.upstream.versions_ttl == 60
+    assert config.upstream.max_archive_size == 512 * 2**20
+    services = config.upstream.hosts["registry.terraform.io"].services
+    assert services["providers.v1"] == "https://127.0.0.1:1234/v1/providers/"
+    assert "private.example:8443" in config.upstream.all_hosts
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, """
+[server]
+listen = "nonsense"
+tls_cert = "/only/cert.pem"
+public_url = "http://plain.example/"
+colour = "blue"
+[upstream]
+ca_bundle = "/no/such/ca.pem"
+allowed_hosts = ["ok.example", "bad host"]
+versions_ttl = -1
+max_archive_size = "lots"
+[upstream.hosts."x.example"]
+services = { "providers.v1" = "http://x.example/", "login.v1" = "https://x.example/" }
+"""), environ={})
+    problems = "\n".join(caught.value.problems)
+    for key in ("server.listen", "server.tls_cert and server.tls_key", "server.public_url",
+                "server.colour: unknown key", "upstream.ca_bundle", "upstream.allowed_hosts",
+                "upstream.versions_ttl", "upstream.max_archive_size",
+                "services.providers.v1: expected an https URL", "unknown service 'login.v1'"):
+        assert key in problems, key
+    assert len(caught.value.problems) == 10
+
+
+def test_invalid_toml_is_one_clear_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, "[server\n"), environ={})
+    assert "invalid TOML" in caught.value.problems[0]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_environment_overrides_and_config_path(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nlisten = "127.0.0.1:1"\n')
+    config = load_config(None, environ={
+        "TF_REGISTRY_PROXY_CONFIG": str(path),
+        "TF_REGISTRY_PROXY_SERVER_LISTEN": "[::1]:9000",
+        "TF_REGISTRY_PROXY_CACHE_DIR": str(tmp_path / "elsewhere"),
+        "TF_REGISTRY_PROXY_UPSTREAM_DISCOVERY_TTL": "5",
+    })
+    assert (config.server.host, config.server.port) == ("::1", 9000)
+    assert config.server.base_url == "https://[::1]:9000/"
+    assert config.cache.dir == tmp_path / "elsewhere"
+    assert config.upstream.discovery_ttl == 5
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (1024, 1024), ("1024", 1024), ("2KiB", 2048), ("3 MB", 3_000_000), ("1GiB", 2**30),
+    ("x", None), (True, None), ("1.5GiB", None),
+])
+def test_parse_size(text: object, expected: int | None) -> None:
+    assert parse_size(text) == expected
+
+
+def test_example_config_is_valid_and_documents_every_key() -> None:
+    example = Path(__file__).parent.parent / "config.example.toml"
+    text = example.read_text()
+    config = load_config(example, environ={})
+    assert config.upstream.allowed_hosts == ("registry.terraform.io", "registry.opentofu.org")
+    for key in ("listen", "tls_cert", "tls_key", "public_url", "log_level", "dir",
+                "ca_bundle", "allowed_hosts", "discovery_ttl", "versions_ttl",
+                "connect_timeout", "metadata_timeout", "download_timeout",
+                "max_archive_size", "services"):
+        assert f"{key} =" in text, key

@@ -1,0 +1,43 @@
+"""OpenPGP verification with keys and signatures made by the real gpg binary."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.errors import IntegrityError
+from proxy.signatures import verify_detached
+from tests.support.gpg import GpgKey
+
+DATA = b"0123  terraform-provider-x_1.0.0_linux_amd64.zip\n"
+
+
+def test_good_signature(signer: GpgKey) -> None:
+    fingerprint = verify_detached(DATA, signer.detach_sign(DATA), [signer.armored_public_key])
+    assert fingerprint.lower() == signer.fingerprint.lower()
+
+
+def test_any_of_several_keys(signer: GpgKey, impostor: GpgKey) -> None:
+    assert verify_detached(DATA, signer.detach_sign(DATA),
+                           [impostor.armored_public_key, signer.armored_public_key])
+
+
+def test_signature_by_another_key_fails(signer: GpgKey, impostor: GpgKey) -> None:
+    with pytest.raises(IntegrityError, match="does not verify"):
+        verify_detached(DATA, impostor.detach_sign(DATA), [signer.armored_public_key])
+
+
+def test_altered_data_fails(signer: GpgKey) -> None:
+    with pytest.raises(IntegrityError, match="does not verify"):
+        verify_detached(DATA + b"\n", signer.detach_sign(DATA), [signer.armored_public_key])
+
+
+def test_no_keys_fails(signer: GpgKey) -> None:
+    with pytest.raises(IntegrityError, match="no signing keys"):
+        verify_detached(DATA, signer.detach_sign(DATA), [])
+
+
+def test_garbage_key_and_signature(signer: GpgKey) -> None:
+    with pytest.raises(IntegrityError, match="could be parsed"):
+        verify_detached(DATA, signer.detach_sign(DATA), ["not a key"])
+    with pytest.raises(IntegrityError, match="not an OpenPGP signature"):
+        verify_detached(DATA, b"garbage", [signer.armored_public_key])
