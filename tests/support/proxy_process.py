@@ -1,0 +1,84 @@
+"""The proxy as a real server process (`python -m proxy serve`), as users run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ProxyProcess:
+    """Starts `python -m proxy serve --config FILE`, waits until /healthz answers over HTTPS."""
+
+    def __init__(self, config: Path, cache_dir: Path, port: int, log: Path) -> None:
+        self.config = config
+        self.cache_dir = cache_dir
+        self.port = port
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def ca_file(self) -> Path:
+        return self.cache_dir / "tls" / "ca.pem"
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}/"
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run another subcommand with the same config."""
+        return subprocess.run([sys.executable, "-m", "proxy", *args, "--config", str(self.config)],
+                              capture_output=True, text=True, timeout=60, env=self._env())
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.cache_dir),
+                "PYTHONUNBUFFERED": "1"}
+
+    def start(self) -> ProxyProcess:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
+                stdout=log, stderr=subprocess.STDOUT, env=self._env())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"proxy exited: {self.log.read_text()[-3000:]}")
+            if self.ca_file.exists() and self._healthy():
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"proxy did not become healthy: {self.log.read_text()[-3000:]}")
+
+    def _healthy(self) -> bool:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        try:
+            with urllib.request.urlopen(f"{self.url}healthz", context=context, timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> ProxyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()

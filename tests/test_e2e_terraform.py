@@ -1,0 +1,106 @@
+"""End to end: the real Terraform CLI installs providers through a real proxy process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import ssl
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.fake_registry import FakeRegistry
+from tests.support.proxy_process import ProxyProcess, free_port
+from tests.support.terraform import lock_file_hashes, terraform_env, terraform_init
+
+pytestmark = pytest.mark.e2e
+
+ROOT_MODULE = """
+terraform {
+  required_providers {
+    null   = { source = "hashicorp/null", version = "~> 3.1" }
+    random = { source = "registry.terraform.io/hashicorp/random", version = "3.6.0" }
+  }
+}
+"""
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[ProxyProcess]:
+    port = free_port()
+    cache = tmp_path / "cache"
+    config = write_config(cache_dir=cache, port=port)
+    with ProxyProcess(config, cache, port, tmp_path / "proxy.log") as running:
+        yield running
+
+
+def client_setup(tmp_path: Path, proxy: ProxyProcess, name: str) -> tuple[Path, dict[str, str]]:
+    """A fresh working directory and environment using the printed client config."""
+    printed = proxy.cli("client-config")
+    assert printed.returncode == 0, printed.stderr
+    assert str(proxy.ca_file) in printed.stdout
+    cli_config = tmp_path / f"{name}.tfrc"
+    cli_config.write_text(printed.stdout)
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / "main.tf").write_text(ROOT_MODULE)
+    return workdir, terraform_env(tmp_path / f"{name}-home", cli_config, proxy.ca_file)
+
+
+def installed_binary(workdir: Path, type_: str, version: str) -> bytes:
+    path = (workdir / ".terraform/providers/registry.terraform.io/hashicorp" / type_ / version
+            / "linux_amd64" / f"terraform-provider-{type_}_v{version}")
+    return path.read_bytes()
+
+
+def test_terraform_init_through_the_proxy(tmp_path: Path, proxy: ProxyProcess,
+                                          registry: FakeRegistry) -> None:
+    workdir, env = client_setup(tmp_path, proxy, "first")
+    result = terraform_init(workdir, env)
+    assert result.retcode == 0, result.output
+    # A CLI config that fails to parse is only a warning: the sole warning allowed is the
+    # mirror's expected one about lock file checksums for other platforms.
+    warnings = [line for line in result.output.splitlines() if line.startswith("Warning:")]
+    assert warnings == ["Warning: Incomplete lock file information for providers"]
+    assert "Installed hashicorp/null v3.2.1 (verified checksum)" in result.stdout
+    assert "Installed hashicorp/random v3.6.0 (verified checksum)" in result.stdout
+
+    null = registry.releases[("hashicorp", "null", "3.2.1")]
+    random = registry.releases[("hashicorp", "random", "3.6.0")]
+    assert installed_binary(workdir, "null", "3.2.1") == null.binaries["linux_amd64"]
+    assert installed_binary(workdir, "random", "3.6.0") == random.binaries["linux_amd64"]
+    assert sorted(registry.archive_requests()) == sorted([
+        "/files/hashicorp/null/3.2.1/terraform-provider-null_3.2.1_linux_amd64.zip",
+        "/files/hashicorp/random/3.6.0/terraform-provider-random_3.6.0_linux_amd64.zip"])
+
+    # The h1: Terraform computed itself is the one the proxy publishes for that zip.
+    context = ssl.create_default_context(cafile=str(proxy.ca_file))
+    url = f"{proxy.url}mirror/registry.terraform.io/hashicorp/null/3.2.1.json"
+    with urllib.request.urlopen(url, context=context) as response:
+        published = json.load(response)["archives"]["linux_amd64"]["hashes"]
+    locked = lock_file_hashes(workdir)["registry.terraform.io/hashicorp/null"]
+    assert locked[0] in published
+    assert f"zh:{hashlib.sha256(null.zips['linux_amd64']).hexdigest()}" in published
+
+    # A second client in a fresh directory: served from the cache, no upstream package request.
+    registry.requests.clear()
+    second, env2 = client_setup(tmp_path, proxy, "second")
+    result = terraform_init(second, env2)
+    assert result.retcode == 0, result.output
+    assert installed_binary(second, "null", "3.2.1") == null.binaries["linux_amd64"]
+    assert registry.archive_requests() == []
+
+
+def test_terraform_init_fails_cleanly_on_a_bad_signature(tmp_path: Path, proxy: ProxyProcess,
+                                                         registry: FakeRegistry) -> None:
+    registry.faults.add("badsig")
+    workdir, env = client_setup(tmp_path, proxy, "badsig")
+    result = terraform_init(workdir, env)
+    assert result.retcode != 0
+    assert "502 Bad Gateway" in result.output  # Terraform does not show the JSON error body
+    assert "integrity failure (signature)" in proxy.log.read_text()
+    assert registry.archive_requests() == []
+    assert not (workdir / ".terraform/providers").exists() or not any(
+        (workdir / ".terraform/providers").rglob("terraform-provider-*"))
