@@ -41,8 +41,9 @@ ca_bundle = "{ca}"
 allowed_hosts = ["Registry.Terraform.IO", "bücher.example:443", "private.example:8443"]
 versions_ttl = 60
 max_archive_size = "512MiB"
-[upstream.hosts."registry.terraform.io"]
-services = {{ "providers.v1" = "https://127.0.0.1:1234/v1/providers", "modules.v1" = "https://127.0.0.1:1234/v1/modules/" }}
+[upstream.hosts."registry.terraform.io".services]
+"providers.v1" = "https://127.0.0.1:1234/v1/providers"
+"modules.v1" = "https://127.0.0.1:1234/v1/modules/"
 """), environ={})
     assert (config.server.host, config.server.port) == ("0.0.0.0", 9443)
     assert config.server.base_url == "https://mirror.example:9443/"

@@ -14,7 +14,6 @@ import ssl
 import threading
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import trustme
 from aiohttp import web

@@ -1,0 +1,124 @@
+"""The command line as users run it: serve with defaults, client-config, config errors."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from proxy.client_config import render_client_config
+from proxy.config import load_config
+from proxy.tls import ensure_certificate
+from tests.support.proxy_process import free_port
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent"}
+    return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True,
+                          text=True, env={**base, **(env or {})}, timeout=timeout)
+
+
+def test_client_config_prints_a_network_mirror_block(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    result = run_cli("client-config", env=env)
+    assert result.returncode == 0, result.stderr
+    assert 'url = "https://127.0.0.1:8443/mirror/"' in result.stdout
+    assert "provider_installation {" in result.stdout
+    assert f"SSL_CERT_FILE={tmp_path}/tf-registry-proxy/tls/ca.pem" in result.stdout
+
+
+def test_client_config_uses_public_url(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[server]\npublic_url = "https://mirror.corp.example"\n'
+                           f'tls_cert = "{tmp_path}/c.pem"\ntls_key = "{tmp_path}/k.pem"\n')
+    text = render_client_config(load_config(config_file, environ={}), None)
+    assert 'url = "https://mirror.corp.example/mirror/"' in text
+    assert "SSL_CERT_FILE" not in text
+
+
+def test_bad_config_is_one_clear_message_and_exit_2(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[server]\nlisten = "nope"\n[upstream]\nallowed_hosts = "x"\n')
+    for command in ("serve", "client-config"):
+        result = run_cli(command, "--config", str(config_file))
+        assert result.returncode == 2
+        assert "invalid configuration" in result.stderr
+        assert "server.listen" in result.stderr and "upstream.allowed_hosts" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_version_and_help() -> None:
+    assert run_cli("--version").stdout.startswith("tf-registry-proxy ")
+    result = run_cli("--help")
+    assert "serve" in result.stdout and "client-config" in result.stdout
+
+
+def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> None:
+    port = free_port()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+           "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+           "TF_REGISTRY_PROXY_SERVER_LISTEN": f"127.0.0.1:{port}"}
+    process = subprocess.Popen([sys.executable, "-m", "proxy", "serve"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ca = tmp_path / "xdg/tf-registry-proxy/tls/ca.pem"
+    try:
+        status = None
+        for _ in range(100):
+            try:
+                context = ssl.create_default_context(cafile=str(ca))
+                with urllib.request.urlopen(f"https://localhost:{port}/healthz",
+                                            context=context, timeout=2) as response:
+                    status = response.status
+                    break
+            except (OSError, ssl.SSLError):
+                if process.poll() is not None:
+                    break
+                import time
+                time.sleep(0.1)
+        assert status == 200
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=10)
+    assert f"SSL_CERT_FILE={ca}" in output
+    assert process.returncode == 0
+
+
+def test_generated_certificate_covers_names_and_is_reused(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[server]\nlisten = "0.0.0.0:8443"\n'
+                           'public_url = "https://mirror.corp.example:8443/"\n')
+    config = load_config(config_file, environ={})
+    first = ensure_certificate(config.server, tmp_path)
+    assert first.ca is not None
+    cert = x509.load_pem_x509_certificate(first.cert.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = names.get_values_for_type(x509.DNSName)
+    assert "mirror.corp.example" in dns and "localhost" in dns
+    ca_bytes, cert_bytes = first.ca.read_bytes(), first.cert.read_bytes()
+    assert (first.cert.parent / "ca-key.pem").stat().st_mode & 0o077 == 0
+
+    again = ensure_certificate(config.server, tmp_path)
+    assert again.cert.read_bytes() == cert_bytes  # unchanged names: nothing regenerated
+
+    config_file.write_text('[server]\npublic_url = "https://other.example/"\n')
+    moved = ensure_certificate(load_config(config_file, environ={}).server, tmp_path)
+    assert moved.ca is not None and moved.ca.read_bytes() == ca_bytes  # clients keep trusting
+    assert moved.cert.read_bytes() != cert_bytes
+
+
+@pytest.mark.parametrize("module_args", [["-m", "proxy"]])
+def test_console_script_and_module_agree(module_args: list[str]) -> None:
+    script = Path(sys.executable).parent / "tf-registry-proxy"
+    if not script.exists():
+        pytest.fail("the tf-registry-proxy console script is not installed")
+    a = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    b = subprocess.run([sys.executable, *module_args, "--version"], capture_output=True,
+                       text=True)
+    assert a.stdout == b.stdout and a.returncode == b.returncode == 0
