@@ -68,5 +68,6 @@ def _serve(config: Config) -> int:
     log.info("network mirror at %smirror/ (cache: %s)", config.server.base_url,
              config.cache.dir)
     web.run_app(create_app(config), host=config.server.host, port=config.server.port,
-                ssl_context=context, print=None, access_log=None, handle_signals=True)
+                ssl_context=context, print=None, handle_signals=True,
+                access_log_format='%a "%r" %s %b %Tfs')
     return 0

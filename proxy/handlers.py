@@ -49,9 +49,7 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         return json_response(await mirror.version_document(provider, version))
     if name.endswith(".zip"):
         path = await mirror.archive(provider, name)
-        response = web.FileResponse(path, headers={"Content-Type": "application/zip"})
-        request.app[METRICS_KEY].served_bytes.inc(path.stat().st_size)
-        return response
+        return web.FileResponse(path, headers={"Content-Type": "application/zip"})
     raise NotFound(f"no such mirror document {name[:120]!r}")
 
 

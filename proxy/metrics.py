@@ -29,9 +29,6 @@ class Metrics:
         self.upstream_bytes = Counter(
             "tfproxy_upstream_fetched_bytes", "Bytes fetched from upstream.",
             ["kind"], registry=self.registry)
-        self.served_bytes = Counter(
-            "tfproxy_served_bytes", "Package bytes served to clients.",
-            registry=self.registry)
         self.integrity_failures = Counter(
             "tfproxy_integrity_failures", "Upstream artifacts that failed verification.",
             ["kind"], registry=self.registry)

@@ -59,8 +59,14 @@ class ProviderMirror:
 
     # --- protocol operations -------------------------------------------------------------
 
+    def _require_served(self, provider: ProviderAddress) -> None:
+        # Checked before the cache too: a host dropped from the config is not served from disk.
+        if provider.hostname not in self._config.all_hosts:
+            raise NotFound(f"host {provider.hostname} is not served by this proxy")
+
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists."""
+        self._require_served(provider)
         entries = await self._versions(provider)
         ordered = sorted((e.version for e in entries), key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
@@ -70,6 +76,7 @@ class ProviderMirror:
 
         Platforms that upstream lists but cannot (yet) deliver are left out and retried on the
         next request: nothing about them is cached."""
+        self._require_served(provider)
         entry = await self._version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
@@ -107,6 +114,7 @@ class ProviderMirror:
 
     async def archive(self, provider: ProviderAddress, filename: str) -> Path:
         """The verified package file named `filename`, fetched and stored on a miss."""
+        self._require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
         parts = self._archive_parts(provider, version, platform)
         path = await self._archives.lookup(parts)

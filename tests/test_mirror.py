@@ -252,3 +252,21 @@ async def test_healthz_and_metrics(client: TestClient) -> None:
     text = await (await client.get("/metrics")).text()
     assert metric(text, "tfproxy_http_requests_total", route="mirror", status_class="2xx") == 1
     assert metric(text, "tfproxy_cache_lookups_total", kind="versions", result="miss") == 1
+
+
+async def test_host_dropped_from_config_is_not_served_from_cache(
+        make_client: MakeClient, proxy_config: Config, write_config: Callable[..., Path],
+        registry: FakeRegistry) -> None:
+    first = await make_client(proxy_config)
+    assert (await first.get(f"{BASE}/{ZIP}")).status == 200
+    await first.close()
+
+    path = write_config()
+    path.write_text(path.read_text().split("[upstream.hosts.")[0]
+                    + 'allowed_hosts = ["registry.opentofu.org"]\n')
+    second = await make_client(load_config(path, environ={}))
+    registry.requests.clear()
+    for name in ("index.json", "3.2.1.json", ZIP):
+        response = await second.get(f"{BASE}/{name}")
+        assert response.status == 404, name
+    assert registry.requests == []
