@@ -10,16 +10,18 @@ from aiohttp import web
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import Config
-from proxy.handlers import METRICS_KEY, MIRROR_KEY, add_routes
+from proxy.handlers import CONFIG_KEY, METRICS_KEY, MIRROR_KEY, MODULES_KEY, add_routes
 from proxy.metrics import Metrics
 from proxy.middleware import error_middleware
+from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.upstream.discovery import Discovery
+from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
+from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.provider_registry import ProviderRegistryClient
 
 log = logging.getLogger(__name__)
-CONFIG_KEY = web.AppKey("config", Config)
 
 
 def create_app(config: Config) -> web.Application:
@@ -42,10 +44,15 @@ def create_app(config: Config) -> web.Application:
         discovery = Discovery(http, config.upstream)
         mirror = ProviderMirror(ProviderRegistryClient(http, discovery), cache, archives,
                                 config.upstream, metrics)
+        git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
+        modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
+                                 config, metrics, git_ca)
         app[MIRROR_KEY] = mirror
+        app[MODULES_KEY] = modules
         try:
             yield
         finally:
+            await modules.close()
             await mirror.close()
             await close_session(session)
             cache.close()

@@ -1,5 +1,6 @@
-"""Package file store: a download streams into a temp file while it is hashed, and only a
-verified file is renamed into place, so a partial or corrupt file is never visible."""
+"""Artifact file store: a file is written to a temp file under `<cache>/tmp` and renamed into
+place only once verified, so a partial or corrupt file is never visible. Work directories for
+building module archives live under `<cache>/tmp` too; all of it is swept at start-up."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 import zipfile
 from collections.abc import AsyncIterator, Sequence
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StoredArchive:
-    """A verified package on disk."""
+    """A verified provider package on disk."""
 
     path: Path
     size: int
@@ -33,28 +36,33 @@ class StoredArchive:
 
 
 class ArchiveStore:
-    """Files under `<cache>/archives/...`, temp files under `<cache>/tmp`."""
+    """Provider packages under `<cache>/archives/...`, modules under `<cache>/modules/...`."""
 
     def __init__(self, cache_dir: Path) -> None:
-        self.root = cache_dir / "archives"
+        self.cache_dir = cache_dir
         self.tmp = cache_dir / "tmp"
-        self.root.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
 
     def sweep_temp(self) -> int:
         """Delete leftovers of fills that never finished (a crash); returns how many."""
         removed = 0
         for leftover in self.tmp.iterdir():
-            leftover.unlink(missing_ok=True)
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
             removed += 1
         return removed
 
     def path_for(self, parts: Sequence[str]) -> Path:
-        """Where the file named by already-validated parts lives."""
-        path = self.root.joinpath(*parts)
-        if any(p in ("", ".", "..") or "/" in p or "\\" in p for p in parts) \
-                or not path.resolve().is_relative_to(self.root.resolve()):
-            raise ValueError(f"unsafe archive path {parts!r}")
+        """Where the file named by already-validated parts lives (first part: the area,
+        `archives` or `modules`)."""
+        if not parts or any(p in ("", ".", "..") or "/" in p or "\\" in p or "\0" in p
+                            for p in parts):
+            raise ValueError(f"unsafe artifact path {parts!r}")
+        path = self.cache_dir.joinpath(*parts)
+        if not path.resolve().is_relative_to(self.cache_dir.resolve()):
+            raise ValueError(f"unsafe artifact path {parts!r}")
         return path
 
     async def lookup(self, parts: Sequence[str]) -> Path | None:
@@ -62,11 +70,25 @@ class ArchiveStore:
         path = self.path_for(parts)
         return path if await aiofiles.os.path.isfile(path) else None
 
+    def temp_file(self) -> Path:
+        """A fresh temp file name (not created)."""
+        return self.tmp / f"{uuid.uuid4().hex}.part"
+
+    def work_dir(self) -> Path:
+        """A fresh, empty work directory; the caller removes it (or the next start does)."""
+        return Path(tempfile.mkdtemp(prefix="work-", dir=self.tmp))
+
+    async def publish(self, temp: Path, parts: Sequence[str]) -> Path:
+        """Move a finished temp file into place atomically."""
+        final = self.path_for(parts)
+        await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
+        await aiofiles.os.replace(temp, final)
+        return final
+
     async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
                     expected_sha256: str) -> StoredArchive:
-        """Write chunks to a temp file, check sha256 and that it is a zip, then publish."""
-        final = self.path_for(parts)
-        temp = self.tmp / f"{uuid.uuid4().hex}.part"
+        """Write a provider zip to a temp file, check sha256 and that it is a zip, publish."""
+        temp = self.temp_file()
         digest = hashlib.sha256()
         size = 0
         try:
@@ -85,8 +107,7 @@ class ArchiveStore:
                 h1 = await asyncio.to_thread(h1_of_zip, temp)
             except (zipfile.BadZipFile, ValueError, OSError) as exc:
                 raise IntegrityError("archive", f"package is not a valid zip: {exc}") from None
-            await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
-            await aiofiles.os.replace(temp, final)
+            final = await self.publish(temp, parts)
         except BaseException:
             # Synchronous on purpose: this also runs when the fill is cancelled.
             temp.unlink(missing_ok=True)

@@ -7,10 +7,12 @@ from pathlib import Path
 from proxy.config import Config
 
 MIRROR_PATH = "mirror/"
+MODULES_PATH = "modules/"
 
 
 def render_client_config(config: Config, ca_file: Path | None) -> str:
-    """A ready-to-use CLI config: every provider installs through the proxy's mirror."""
+    """A ready-to-use CLI config: every provider installs through the proxy's mirror, and a
+    `host` block per upstream host sends registry modules through the proxy too."""
     base = config.server.base_url
     lines = [
         f"# Terraform / OpenTofu CLI configuration for tf-registry-proxy at {base}",
@@ -22,10 +24,21 @@ def render_client_config(config: Config, ca_file: Path | None) -> str:
             f"#   export SSL_CERT_FILE={ca_file}",
         ]
     lines += [
+        "",
         "provider_installation {",
         "  network_mirror {",
         f'    url = "{base}{MIRROR_PATH}"',
         "  }",
         "}",
     ]
+    for host in sorted(config.upstream.all_hosts):
+        lines += [
+            "",
+            f"# Registry modules from {host} install through the proxy, from its cache.",
+            f'host "{host}" {{',
+            "  services = {",
+            f'    "modules.v1" = "{base}{MODULES_PATH}{host}/"',
+            "  }",
+            "}",
+        ]
     return "\n".join(lines) + "\n"

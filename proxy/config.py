@@ -99,12 +99,22 @@ class UpstreamConfig:
 
 
 @dataclass(frozen=True)
+class ModulesConfig:
+    """How registry modules are fetched and served."""
+
+    default_host: str = "registry.terraform.io"
+    max_archive_size: int = 512 * 2**20
+    git_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    modules: ModulesConfig = field(default_factory=ModulesConfig)
 
 
 def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -130,6 +140,7 @@ _ENV_KEYS = {
     "cache": ("dir",),
     "upstream": ("ca_bundle", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size"),
+    "modules": ("default_host", "max_archive_size", "git_timeout"),
 }
 
 
@@ -151,15 +162,35 @@ class _Parser:
         self.problems: list[str] = []
 
     def config(self) -> Config:
-        self._unknown(self.raw, "", ("server", "cache", "upstream"))
+        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules"))
         server = self._server(self._table(self.raw, "server"))
         cache = CacheConfig(dir=self._path("cache.dir", self._table(self.raw, "cache"), "dir")
                             or default_cache_dir())
         self._unknown(self._table(self.raw, "cache"), "cache.", ("dir",))
         upstream = self._upstream(self._table(self.raw, "upstream"))
+        modules = self._modules(self._table(self.raw, "modules"), upstream)
         if self.problems:
             raise ConfigError(self.problems)
-        return Config(server=server, cache=cache, upstream=upstream)
+        return Config(server=server, cache=cache, upstream=upstream, modules=modules)
+
+    def _modules(self, table: dict[str, Any], upstream: UpstreamConfig) -> ModulesConfig:
+        self._unknown(table, "modules.", _ENV_KEYS["modules"])
+        defaults = ModulesConfig()
+        default_host = defaults.default_host
+        raw_host = self._str("modules.default_host", table, "default_host")
+        if raw_host:
+            default_host = self._hostname("modules.default_host", raw_host) or default_host
+            if default_host not in upstream.all_hosts:
+                self.problems.append(f"modules.default_host: {default_host} is not an "
+                                     "allowed upstream host")
+        elif default_host not in upstream.all_hosts and upstream.allowed_hosts:
+            default_host = upstream.allowed_hosts[0]
+        return ModulesConfig(
+            default_host=default_host,
+            max_archive_size=self._size("modules.max_archive_size", table, "max_archive_size",
+                                        defaults.max_archive_size),
+            git_timeout=self._number("modules.git_timeout", table, "git_timeout",
+                                     defaults.git_timeout))
 
     def _server(self, table: dict[str, Any]) -> ServerConfig:
         self._unknown(table, "server.", ("listen", "tls_cert", "tls_key", "public_url",

@@ -7,14 +7,19 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.config import Config
 from proxy.errors import NotFound
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
-from proxy.models import ProviderAddress, parse_version
+from proxy.models import ModuleAddress, ProviderAddress, parse_module_version, parse_version
+from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 
 MIRROR_PREFIX = "/mirror/"
+MODULES_PREFIX = "/modules/"
 METRICS_KEY = web.AppKey("metrics", Metrics)
 MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
+MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
+CONFIG_KEY = web.AppKey("config", Config)
 
 
 def json_response(document: dict[str, Any]) -> web.Response:
@@ -53,9 +58,61 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     raise NotFound(f"no such mirror document {name[:120]!r}")
 
 
+def public_base(request: web.Request) -> str:
+    """The https base URL clients reach us at: `server.public_url`, else the request's Host
+    (what this client used to reach us), so absolute URLs work behind any name."""
+    configured = request.app[CONFIG_KEY].server.public_url
+    if configured:
+        return configured if configured.endswith("/") else configured + "/"
+    return f"https://{request.host}/"
+
+
+async def discovery(request: web.Request) -> web.Response:
+    """Our own service discovery: modules addressed to the proxy's hostname come from the
+    default upstream host. Served anonymously, from memory (clients treat 401 as fatal)."""
+    default_host = request.app[CONFIG_KEY].modules.default_host
+    return json_response({"modules.v1": f"{MODULES_PREFIX}{default_host}/"})
+
+
+def _module(request: web.Request) -> ModuleAddress:
+    info = request.match_info
+    return ModuleAddress.parse(info["hostname"], info["namespace"], info["name"],
+                               info["system"])
+
+
+async def module_versions(request: web.Request) -> web.Response:
+    """`:namespace/:name/:system/versions`."""
+    return json_response(await request.app[MODULES_KEY].list_versions(_module(request)))
+
+
+async def module_version_file(request: web.Request) -> web.StreamResponse:
+    """`:namespace/:name/:system/:version/download` (fills the cache, then points at our
+    archive) and the archive itself."""
+    module = _module(request)
+    version = parse_module_version(request.match_info["version"])
+    action = request.match_info["action"]
+    registry = request.app[MODULES_KEY]
+    if action == "download":
+        await registry.archive(module, version)
+        location = (f"{public_base(request)}{MODULES_PREFIX.lstrip('/')}{module}/{version}/"
+                    f"{module.name}-{module.system}-{version}.tar.gz")
+        # Terraform reads the header (204 or 200), OpenTofu the JSON body of a 200.
+        response = json_response({"location": location})
+        response.headers["X-Terraform-Get"] = location
+        return response
+    if action == f"{module.name}-{module.system}-{version}.tar.gz":
+        path = await registry.archive(module, version)
+        return web.FileResponse(path, headers={"Content-Type": "application/gzip"})
+    raise NotFound(f"no such module document {action[:120]!r}")
+
+
 def add_routes(app: web.Application) -> None:
     """Every route the proxy serves."""
     app.router.add_get("/healthz", healthz, name="healthz")
     app.router.add_get("/metrics", metrics, name="metrics")
+    app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
     app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
                        name="mirror")
+    module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
+    app.router.add_get(module + "/versions", module_versions, name="module_versions")
+    app.router.add_get(module + "/{version}/{action}", module_version_file, name="module")

@@ -25,6 +25,13 @@ _SEMVER = re.compile(
 # Provider namespaces and types: letters, digits and single dashes (Terraform's provider part).
 _PROVIDER_PART = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _PLATFORM_PART = re.compile(r"^[a-z0-9]{1,32}$")
+# Module registry address parts keep their case (Terraform's module address rules).
+_MODULE_PART = re.compile(r"^[0-9A-Za-z](?:[0-9A-Za-z_-]{0,62}[0-9A-Za-z])?$")
+_MODULE_SYSTEM = re.compile(r"^[0-9a-z]{1,64}$")
+# Module versions are parsed by clients with hashicorp/go-version, which is laxer than semver
+# ("v1.2", "1.2.0.1" pass); this keeps to that while staying safe as a path segment.
+_MODULE_VERSION = re.compile(
+    r"^v?\d{1,9}(?:\.\d{1,9}){0,3}(?:-?[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$")
 _MAX_PART = 64
 _MAX_VERSION = 128
 
@@ -155,3 +162,44 @@ class ProviderAddress:
             raise BadRequest(f"not a provider package name: {filename[:120]!r}")
         version, os, arch = parts
         return parse_version(version), Platform.parse(os, arch)
+
+
+def is_valid_module_version(text: object) -> bool:
+    """True for a module version string a client accepts."""
+    return isinstance(text, str) and len(text) <= _MAX_VERSION \
+        and bool(_MODULE_VERSION.fullmatch(text))
+
+
+def parse_module_version(text: str) -> str:
+    """Validate a module version string and return it unchanged."""
+    if not is_valid_module_version(text):
+        raise BadRequest(f"invalid module version {text[:80]!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class ModuleAddress:
+    """A registry module at its origin registry: hostname/namespace/name/system."""
+
+    hostname: str
+    namespace: str
+    name: str
+    system: str
+
+    @classmethod
+    def parse(cls, hostname: str, namespace: str, name: str, system: str) -> ModuleAddress:
+        """Normalize the hostname, validate the rest (case preserved)."""
+        for part, what in ((namespace, "namespace"), (name, "name")):
+            if not _MODULE_PART.fullmatch(part):
+                raise BadRequest(f"invalid module {what} {part[:80]!r}")
+        if not _MODULE_SYSTEM.fullmatch(system):
+            raise BadRequest(f"invalid module system {system[:80]!r}")
+        return cls(normalize_hostname(hostname), namespace, name, system)
+
+    @property
+    def path(self) -> str:
+        """`namespace/name/system`, as in registry URLs."""
+        return f"{self.namespace}/{self.name}/{self.system}"
+
+    def __str__(self) -> str:
+        return f"{self.hostname}/{self.path}"

@@ -223,7 +223,7 @@ class ProviderMirror:
     @staticmethod
     def _archive_parts(provider: ProviderAddress, version: str,
                        platform: Platform) -> list[str]:
-        return [provider.hostname, provider.namespace, provider.type, version,
+        return ["archives", provider.hostname, provider.namespace, provider.type, version,
                 provider.archive_filename(version, platform)]
 
     async def _fill_archive(self, provider: ProviderAddress, version: str,

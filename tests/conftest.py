@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,7 +11,8 @@ import pytest
 import trustme
 
 from proxy.config import Config, load_config
-from tests.support.fake_registry import FakeRegistry
+from tests.support.fake_registry import FakeRegistry, build_zip
+from tests.support.git_repos import publish_repo
 from tests.support.gpg import GpgKey, generate_key
 
 
@@ -36,15 +39,74 @@ def impostor(tmp_path_factory: pytest.TempPathFactory) -> GpgKey:
 
 
 @pytest.fixture(scope="session")
-def registry_server(upstream_ca: trustme.CA, signer: GpgKey,
-                    impostor: GpgKey) -> Iterator[FakeRegistry]:
+def registry_server(upstream_ca: trustme.CA, signer: GpgKey, impostor: GpgKey,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeRegistry]:
     server = FakeRegistry(upstream_ca, signer, impostor)
     server.add_release("hashicorp", "null", "3.2.1")
     server.add_release("hashicorp", "null", "3.1.0")
     server.add_release("hashicorp", "random", "3.6.0")
     server.start()
+    publish_modules(server, tmp_path_factory.mktemp("module-sources"))
     yield server
     server.stop()
+
+
+def tar_gz(members: dict[str, bytes | tuple[str, str]]) -> bytes:
+    """A tar.gz; a (kind, target) tuple makes a "symlink" or "hardlink" member."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(content, tuple):
+                kind, target = content
+                info.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+                info.linkname = target
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                info.mode = 0o644
+                tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+MODULE_MAIN = (b'variable "name" {\n  default = "net"\n}\n'
+               b'output "name" {\n  value = var.name\n}\n')
+
+
+def publish_modules(server: FakeRegistry, work: Path) -> None:
+    """Module sources of every shape a registry hands out."""
+    shared = publish_repo(server.git_root, "shared", work / "shared",
+                          {"main.tf": b'output "shared" {\n  value = "yes"\n}\n'})
+    publish_repo(server.git_root, "net", work / "net",
+                 {"main.tf": MODULE_MAIN, "modules/sub/main.tf": b"# sub\n",
+                  "scripts/run.sh": b"#!/bin/sh\necho hi\n"},
+                 tag="v1.2.0",
+                 submodules={"shared": (f"{server.url}/git/shared.git", shared)})
+    server.add_module("acme", "net", "aws", "1.2.0",
+                      f"git::{server.url}/git/net.git?ref=v1.2.0")
+    server.add_module("acme", "net", "aws", "1.1.0",
+                      f"git::{server.url}/git/net.git?ref=no-such-tag")
+
+    tarball = server.add_module_archive("tarball-1.0.0.tgz", tar_gz({
+        "acme-tarball-abc123/README.md": b"top\n",
+        "acme-tarball-abc123/modules/inner/main.tf": MODULE_MAIN,
+    }))
+    server.add_module("acme", "tarball", "aws", "1.0.0",
+                      f"{tarball}//*/modules/inner?archive=tar.gz", style="json")
+    zipped = build_zip({"main.tf": (MODULE_MAIN, 0o644), "files/": (b"", 0o755)})
+    server.add_module_archive("zip-2.0.0.zip", zipped)
+    server.add_module("Acme-Corp", "Zip_Mod", "aws", "2.0.0",
+                      "../../../../../../archives/zip-2.0.0.zip")
+    server.add_module("acme", "s3", "aws", "1.0.0", "s3::https://s3.amazonaws.com/b/m.zip")
+    server.add_module("acme", "registry", "aws", "1.0.0", "other/module/aws")
+    for name, members in {
+        "traversal": {"../../evil.tf": b"x"},
+        "absolute": {"/etc/evil.tf": b"x"},
+        "symlink": {"main.tf": b"x", "link": ("symlink", "../../../etc/passwd")},
+        "hardlink": {"main.tf": b"x", "link": ("hardlink", "../outside")},
+    }.items():
+        url = server.add_module_archive(f"{name}.tar.gz", tar_gz(members))
+        server.add_module("evil", name, "aws", "1.0.0", url)
 
 
 @pytest.fixture
@@ -76,8 +138,9 @@ dir = "{cache_dir or tmp_path / 'cache'}"
 [upstream]
 ca_bundle = "{upstream_ca_file}"
 
-[upstream.hosts."registry.terraform.io"]
-services = {{ "providers.v1" = "{registry.providers_url}" }}
+[upstream.hosts."registry.terraform.io".services]
+"providers.v1" = "{registry.providers_url}"
+"modules.v1" = "{registry.url}/v1/modules/"
 {extra}
 """)
         return path

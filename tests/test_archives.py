@@ -14,7 +14,7 @@ from proxy.errors import IntegrityError
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
-PARTS = ["registry.terraform.io", "hashicorp", "x", "1.0.0", "p.zip"]
+PARTS = ["archives", "registry.terraform.io", "hashicorp", "x", "1.0.0", "p.zip"]
 
 
 async def chunks(data: bytes, fail_after: int | None = None) -> AsyncIterator[bytes]:
@@ -56,7 +56,7 @@ def test_sweep_removes_leftovers(tmp_path: Path) -> None:
     assert list(store.tmp.iterdir()) == []
 
 
-@pytest.mark.parametrize("parts", [["..", "x"], ["a/b"], [""], ["ok", "."], ["a\\b"]])
+@pytest.mark.parametrize("parts", [["..", "x"], ["a/b"], [""], ["ok", "."], ["a\\b"], []])
 def test_unsafe_paths_are_refused(tmp_path: Path, parts: list[str]) -> None:
     with pytest.raises(ValueError):
         ArchiveStore(tmp_path).path_for(parts)

@@ -123,5 +123,5 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     for key in ("listen", "tls_cert", "tls_key", "public_url", "log_level", "dir",
                 "ca_bundle", "allowed_hosts", "discovery_ttl", "versions_ttl",
                 "connect_timeout", "metadata_timeout", "download_timeout",
-                "max_archive_size", "services"):
+                "max_archive_size", "services", "default_host", "git_timeout"):
         assert f"{key} =" in text, key

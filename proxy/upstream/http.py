@@ -10,9 +10,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
+import aiofiles
 import aiohttp
+from multidict import CIMultiDict
 
 from proxy.config import UpstreamConfig
 from proxy.errors import NotFound, UpstreamError, UpstreamTimeout
@@ -55,6 +58,7 @@ class Fetched:
     status: int
     content_type: str
     body: bytes
+    headers: CIMultiDict[str]
 
 
 class UpstreamHTTP:
@@ -106,7 +110,8 @@ class UpstreamHTTP:
             body = await _read_capped(response, max_bytes, origin)
             self._metrics.upstream_bytes.labels("metadata").inc(len(body))
             return Fetched(str(response.url), response.status,
-                           response.headers.get("Content-Type", ""), body)
+                           response.headers.get("Content-Type", ""), body,
+                           CIMultiDict(response.headers))
 
     async def get_json(self, url: str, origin: str) -> tuple[str, object]:
         """GET a JSON document that must exist: 404 -> NotFound, other non-200 -> 502."""
@@ -137,6 +142,16 @@ class UpstreamHTTP:
                 raise UpstreamError(f"upstream {origin} package is {length} bytes, over the "
                                     f"{max_bytes}-byte limit")
             yield self._chunks(response, origin, max_bytes)
+
+    async def download(self, url: str, origin: str, destination: Path, max_bytes: int) -> int:
+        """Stream a file to destination (a temp path of the caller's); returns its size."""
+        size = 0
+        async with self.stream(url, origin, max_bytes) as chunks, \
+                aiofiles.open(destination, "wb") as handle:
+            async for chunk in chunks:
+                size += len(chunk)
+                await handle.write(chunk)
+        return size
 
     async def _chunks(self, response: aiohttp.ClientResponse, origin: str,
                       max_bytes: int) -> AsyncIterator[bytes]:

@@ -11,9 +11,11 @@ import asyncio
 import hashlib
 import io
 import ssl
+import tempfile
 import threading
 import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trustme
 from aiohttp import web
@@ -21,6 +23,18 @@ from aiohttp import web
 from tests.support.gpg import GpgKey
 
 DEFAULT_PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
+
+
+@dataclass
+class ModuleRelease:
+    """One module version: where the registry says its source is, and how it says it."""
+
+    namespace: str
+    name: str
+    system: str
+    version: str
+    location: str
+    style: str = "header"  # "header": 204 + X-Terraform-Get; "json": 200 + {"location"}
 
 
 @dataclass
@@ -71,6 +85,9 @@ class FakeRegistry:
         self.requests: list[tuple[str, str]] = []
         self.faults: set[str] = set()
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
+        self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
+        self.module_archives: dict[str, bytes] = {}
+        self.git_root = Path(tempfile.mkdtemp(prefix="fake-git-"))
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -98,6 +115,18 @@ class FakeRegistry:
         release.bad_signature = self.impostor.detach_sign(release.sums)
         self.releases[(namespace, type_, version)] = release
         return release
+
+    def add_module(self, namespace: str, name: str, system: str, version: str,
+                   location: str, style: str = "header") -> ModuleRelease:
+        """Publish a module version whose download answers `location`."""
+        module = ModuleRelease(namespace, name, system, version, location, style)
+        self.modules[(namespace, name, system, version)] = module
+        return module
+
+    def add_module_archive(self, filename: str, data: bytes) -> str:
+        """Serve data at /archives/filename; returns its absolute URL."""
+        self.module_archives[filename] = data
+        return f"{self.url}/archives/{filename}"
 
     # --- observation ---------------------------------------------------------------------
 
@@ -140,6 +169,12 @@ class FakeRegistry:
         app.router.add_get("/v1/providers/{ns}/{type}/{version}/download/{os}/{arch}",
                            self._download)
         app.router.add_get("/files/{ns}/{type}/{version}/{name}", self._file)
+        app.router.add_get("/v1/modules/{ns}/{name}/{system}/versions", self._module_versions)
+        app.router.add_get("/v1/modules/{ns}/{name}/{system}/{version}/download",
+                           self._module_download)
+        app.router.add_get("/archives/{name}", self._module_archive)
+        # A bare git repository served as static files is the "dumb HTTP" git protocol.
+        app.router.add_static("/git/", self.git_root)
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
         self._runner = web.AppRunner(app)
@@ -165,7 +200,31 @@ class FakeRegistry:
         # Relative to the final URL of the document: from /moved/ this is /v1/providers/ too.
         relative = "../v1/providers/" if request.path.startswith("/moved/") else "/v1/providers/"
         return web.json_response({"providers.v1": relative,
+                                  "modules.v1": relative.replace("providers", "modules"),
                                   "login.v1": {"client": "terraform-cli"}})
+
+    async def _module_versions(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        versions = [{"version": m.version} for (n, a, s, _v), m in self.modules.items()
+                    if (n, a, s) == (info["ns"], info["name"], info["system"])]
+        if not versions:
+            raise web.HTTPNotFound()
+        return web.json_response({"modules": [{"versions": versions}]})
+
+    async def _module_download(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        module = self.modules.get((info["ns"], info["name"], info["system"], info["version"]))
+        if module is None:
+            raise web.HTTPNotFound()
+        if module.style == "json":
+            return web.json_response({"location": module.location})
+        return web.Response(status=204, headers={"X-Terraform-Get": module.location})
+
+    async def _module_archive(self, request: web.Request) -> web.Response:
+        data = self.module_archives.get(request.match_info["name"])
+        if data is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=data, content_type="application/octet-stream")
 
     async def _versions(self, request: web.Request) -> web.Response:
         ns, type_ = request.match_info["ns"], request.match_info["type"]

@@ -1,0 +1,159 @@
+"""The module registry protocol, served from module archives the proxy fetched and repacked.
+
+https://developer.hashicorp.com/terraform/internals/module-registry-protocol
+Operations: list_versions, archive (fetch the source on a miss: https archive or git clone,
+apply the subdirectory, repack as .tar.gz, store). Clients never see upstream's location.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from proxy.archives import ArchiveStore
+from proxy.cache import MetadataCache
+from proxy.config import Config
+from proxy.errors import NotFound, UpstreamError
+from proxy.metrics import Metrics
+from proxy.models import ModuleAddress
+from proxy.module_packing import pack, select_subdir, unpack
+from proxy.module_sources import ModuleSource, UnsupportedSource, parse_source
+from proxy.singleflight import SingleFlight
+from proxy.upstream import git
+from proxy.upstream.http import UpstreamHTTP
+from proxy.upstream.module_registry import ModuleRegistryClient
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_VERSION_REFRESH_SECONDS = 30.0
+
+
+class ModuleRegistry:
+    """Answers module registry requests for every allowed upstream host."""
+
+    def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataCache,
+                 archives: ArchiveStore, config: Config, metrics: Metrics,
+                 git_ca_file: Path | None) -> None:
+        self._client = client
+        self._http = http
+        self._cache = cache
+        self._archives = archives
+        self._config = config
+        self._metrics = metrics
+        self._git_ca_file = git_ca_file
+        self._version_fills: SingleFlight[list[str]] = SingleFlight()
+        self._archive_fills: SingleFlight[Path] = SingleFlight()
+
+    async def close(self) -> None:
+        """Stop fills under way (shutdown)."""
+        await self._archive_fills.cancel_all()
+        await self._version_fills.cancel_all()
+
+    def _require_served(self, module: ModuleAddress) -> None:
+        if module.hostname not in self._config.upstream.all_hosts:
+            raise NotFound(f"host {module.hostname} is not served by this proxy")
+
+    # --- protocol operations -------------------------------------------------------------
+
+    async def list_versions(self, module: ModuleAddress) -> dict[str, Any]:
+        """The body of `versions`: `{"modules": [{"versions": [{"version": ...}]}]}`."""
+        self._require_served(module)
+        versions = await self._versions(module)
+        return {"modules": [{"versions": [{"version": v} for v in versions]}]}
+
+    async def archive(self, module: ModuleAddress, version: str) -> Path:
+        """The repacked module archive, fetched from its source on a miss."""
+        self._require_served(module)
+        parts = self._archive_parts(module, version)
+        path = await self._archives.lookup(parts)
+        if path is not None:
+            self._metrics.cache_lookups.labels("module", "hit").inc()
+            return path
+        self._metrics.cache_lookups.labels("module", "miss").inc()
+        return await self._archive_fills.run(
+            ("module", str(module), version), lambda: self._fill(module, version))
+
+    # --- versions ------------------------------------------------------------------------
+
+    async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
+        key = f"module-versions/{module}"
+        record = await self._cache.get(key)
+        now = time.time()
+        if record is not None:
+            age = now - record["fetched_at"]
+            known = wanted is None or wanted in record["versions"]
+            if age < self._config.upstream.versions_ttl and \
+                    (known or age < UNKNOWN_VERSION_REFRESH_SECONDS):
+                self._metrics.cache_lookups.labels("module_versions", "hit").inc()
+                return list(record["versions"])
+        try:
+            versions = await self._version_fills.run(
+                key, lambda: self._client.list_versions(module))
+        except UpstreamError as exc:
+            if record is None:
+                raise
+            self._metrics.cache_lookups.labels("module_versions", "stale").inc()
+            log.warning("serving stale versions of module %s: %s", module, exc.message)
+            return list(record["versions"])
+        self._metrics.cache_lookups.labels("module_versions", "miss").inc()
+        await self._cache.set(key, {"fetched_at": now, "versions": versions})
+        return versions
+
+    # --- archives ------------------------------------------------------------------------
+
+    @staticmethod
+    def _archive_parts(module: ModuleAddress, version: str) -> list[str]:
+        return ["modules", module.hostname, module.namespace, module.name, module.system,
+                f"{version}.tar.gz"]
+
+    async def _fill(self, module: ModuleAddress, version: str) -> Path:
+        parts = self._archive_parts(module, version)
+        published = await self._archives.lookup(parts)  # a fill that just finished
+        if published is not None:
+            return published
+        if version not in await self._versions(module, wanted=version):
+            raise NotFound(f"module {module} has no version {version}")
+        location = await self._client.download_location(module, version)
+        try:
+            source = parse_source(location)
+        except UnsupportedSource as exc:
+            log.error("module %s %s: %s", module, version, exc.message)
+            raise
+        log.info("fetching module %s %s from %s", module, version, source.url)
+        limit = self._config.modules.max_archive_size
+        work = await asyncio.to_thread(self._archives.work_dir)
+        self._metrics.fills_in_flight.inc()
+        try:
+            tree = await self._fetch_tree(module, source, work)
+            module_root = await asyncio.to_thread(select_subdir, tree, source.subdir)
+            packed = self._archives.temp_file()
+            try:
+                await asyncio.to_thread(pack, module_root, packed, limit)
+                return await self._archives.publish(packed, parts)
+            except BaseException:
+                packed.unlink(missing_ok=True)
+                raise
+        finally:
+            self._metrics.fills_in_flight.dec()
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def _fetch_tree(self, module: ModuleAddress, source: ModuleSource,
+                          work: Path) -> Path:
+        tree = work / "tree"
+        limit = self._config.modules.max_archive_size
+        if source.kind == "git":
+            await git.clone(source.url, source.ref, tree,
+                            time_limit=self._config.modules.git_timeout,
+                            ca_file=self._git_ca_file)
+            return tree
+        if source.archive is None:
+            raise UnsupportedSource(f"module location {source.url[:200]} is not an archive "
+                                    "(no ?archive= and no known extension)")
+        download = work / "source.archive"
+        await self._http.download(source.url, module.hostname, download, limit)
+        await asyncio.to_thread(unpack, download, source.archive, tree, limit)
+        return tree

@@ -1,0 +1,167 @@
+"""The module registry protocol through the proxy: sources fetched, repacked and cached."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from proxy.app import create_app
+from proxy.config import Config, load_config
+from tests.support.fake_registry import FakeRegistry
+
+HOST = "registry.terraform.io"
+NET = f"/modules/{HOST}/acme/net/aws"
+
+
+@pytest.fixture
+async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
+    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
+
+
+def tar_members(data: bytes) -> dict[str, bytes | None]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        return {m.name: (tar.extractfile(m).read() if m.isfile() else None)  # type: ignore[union-attr]
+                for m in tar.getmembers()}
+
+
+async def download(client: TestClient, path: str) -> tuple[str, bytes]:
+    """Ask for the download, check both answer shapes agree, fetch the archive."""
+    response = await client.get(f"{path}/download")
+    assert response.status == 200, await response.text()
+    location = (await response.json())["location"]
+    assert response.headers["X-Terraform-Get"] == location
+    assert location.startswith("https://") and location.endswith(".tar.gz")
+    assert "//" not in location.removeprefix("https://")
+    archive = await client.get(urlsplit(location).path)
+    assert archive.status == 200
+    return location, await archive.read()
+
+
+async def test_versions_are_proxied_and_cached(client: TestClient,
+                                               registry: FakeRegistry) -> None:
+    for _ in range(3):
+        response = await client.get(f"{NET}/versions")
+        assert response.status == 200
+        assert response.content_type == "application/json"
+        body = await response.json()
+    versions = {v["version"] for v in body["modules"][0]["versions"]}
+    assert versions == {"1.2.0", "1.1.0"}
+    assert registry.paths() == ["/v1/modules/acme/net/aws/versions"]
+
+
+async def test_module_names_keep_their_case(client: TestClient, registry: FakeRegistry) -> None:
+    response = await client.get(f"/modules/{HOST}/Acme-Corp/Zip_Mod/aws/versions")
+    assert response.status == 200
+    assert registry.paths() == ["/v1/modules/Acme-Corp/Zip_Mod/aws/versions"]
+
+
+async def test_git_source_is_cloned_with_submodules_and_served_from_cache(
+        client: TestClient, registry: FakeRegistry) -> None:
+    location, data = await download(client, f"{NET}/1.2.0")
+    members = tar_members(data)
+    assert members["main.tf"] is not None and b'default = "net"' in members["main.tf"]
+    assert members["modules/sub/main.tf"] == b"# sub\n"
+    assert members["shared/main.tf"] is not None  # the submodule was fetched too
+    assert not any(name == ".git" or name.startswith(".git/") or "/.git" in name
+                   for name in members)
+    assert any(p.startswith("/git/shared.git/") for p in registry.paths())
+
+    registry.requests.clear()
+    registry.faults.add("down")
+    again_location, again = await download(client, f"{NET}/1.2.0")
+    assert (again_location, again) == (location, data)
+    assert registry.requests == []
+
+
+async def test_concurrent_downloads_share_one_clone(client: TestClient,
+                                                    registry: FakeRegistry) -> None:
+    responses = await asyncio.gather(*(client.get(f"{NET}/1.2.0/download") for _ in range(8)))
+    assert {r.status for r in responses} == {200}
+    assert registry.paths().count("/git/net.git/info/refs") == 1
+    assert registry.paths().count("/v1/modules/acme/net/aws/1.2.0/download") == 1
+
+
+async def test_https_tarball_with_glob_subdir_and_json_location(
+        client: TestClient, registry: FakeRegistry) -> None:
+    _location, data = await download(client, f"/modules/{HOST}/acme/tarball/aws/1.0.0")
+    assert tar_members(data) == {"main.tf": tar_members(data)["main.tf"]}
+    assert b"variable" in (tar_members(data)["main.tf"] or b"")
+
+
+async def test_relative_zip_location(client: TestClient, registry: FakeRegistry) -> None:
+    _location, data = await download(client, f"/modules/{HOST}/Acme-Corp/Zip_Mod/aws/2.0.0")
+    assert set(tar_members(data)) == {"main.tf", "files"}
+    assert "/archives/zip-2.0.0.zip" in registry.paths()
+
+
+async def test_head_on_module_archive(client: TestClient) -> None:
+    location, data = await download(client, f"/modules/{HOST}/acme/tarball/aws/1.0.0")
+    response = await client.head(urlsplit(location).path)
+    assert response.status == 200
+    assert int(response.headers["Content-Length"]) == len(data)
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    ("acme/s3/aws/1.0.0", "module source type 's3' is not supported"),
+    ("acme/registry/aws/1.0.0", "not a URL"),
+    ("acme/net/aws/1.1.0", "git checkout"),
+    ("evil/traversal/aws/1.0.0", "escapes the root"),
+    ("evil/absolute/aws/1.0.0", "absolute"),
+    ("evil/symlink/aws/1.0.0", "link escapes the root"),
+    ("evil/hardlink/aws/1.0.0", "escapes the root"),
+])
+async def test_unusable_sources_are_502_and_nothing_is_stored(
+        client: TestClient, registry: FakeRegistry, proxy_config: Config,
+        module: str, message: str) -> None:
+    response = await client.get(f"/modules/{HOST}/{module}/download")
+    assert response.status == 502
+    assert response.content_type == "application/json"
+    assert message in (await response.json())["errors"][0]
+    cache: Path = proxy_config.cache.dir
+    assert not list(cache.rglob("*.tar.gz"))
+    assert not list((cache / "tmp").iterdir())
+    assert not (cache.parent / "evil.tf").exists() and not Path("/etc/evil.tf").exists()
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    (f"{NET}/9.9.9/download", 404),
+    (f"/modules/{HOST}/acme/nosuch/aws/versions", 404),
+    ("/modules/example.com/acme/net/aws/versions", 404),
+    (f"/modules/{HOST}/acme/net/AWS/versions", 400),
+    (f"/modules/{HOST}/-acme/net/aws/versions", 400),
+    (f"{NET}/1.0..0/download", 400),
+    (f"{NET}/1.2.0/other.tar.gz", 404),
+    (f"{NET}/1.2.0/..%2F..%2Fx", 404),
+])
+async def test_bad_module_requests(client: TestClient, registry: FakeRegistry, path: str,
+                                   status: int) -> None:
+    response = await client.get(path)
+    assert response.status == status
+    assert response.content_type == "application/json"
+    if status == 400 or "example.com" in path:
+        assert registry.requests == []
+
+
+async def test_proxy_discovery_advertises_modules(client: TestClient) -> None:
+    response = await client.get("/.well-known/terraform.json")
+    assert response.status == 200
+    assert response.content_type == "application/json"
+    assert await response.json() == {"modules.v1": f"/modules/{HOST}/"}
+
+
+async def test_stale_module_versions_with_upstream_down(
+        aiohttp_client, write_config, registry: FakeRegistry) -> None:  # type: ignore[no-untyped-def]
+    config = load_config(write_config(), environ={"TF_REGISTRY_PROXY_UPSTREAM_VERSIONS_TTL":
+                                                  "0.001"})
+    client = await aiohttp_client(create_app(config))
+    assert (await client.get(f"{NET}/versions")).status == 200
+    await asyncio.sleep(0.01)
+    registry.faults.add("down")
+    response = await client.get(f"{NET}/versions")
+    assert response.status == 200
