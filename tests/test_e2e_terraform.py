@@ -36,7 +36,8 @@ def proxy(tmp_path: Path, write_config: Callable[..., Path]) -> Iterator[ProxyPr
         yield running
 
 
-def client_setup(tmp_path: Path, proxy: ProxyProcess, name: str) -> tuple[Path, dict[str, str]]:
+def client_setup(tmp_path: Path, proxy: ProxyProcess, name: str,
+                 root_module: str = ROOT_MODULE) -> tuple[Path, dict[str, str]]:
     """A fresh working directory and environment using the printed client config."""
     printed = proxy.cli("client-config")
     assert printed.returncode == 0, printed.stderr
@@ -45,7 +46,7 @@ def client_setup(tmp_path: Path, proxy: ProxyProcess, name: str) -> tuple[Path, 
     cli_config.write_text(printed.stdout)
     workdir = tmp_path / name
     workdir.mkdir()
-    (workdir / "main.tf").write_text(ROOT_MODULE)
+    (workdir / "main.tf").write_text(root_module)
     return workdir, terraform_env(tmp_path / f"{name}-home", cli_config, proxy.ca_file)
 
 
@@ -104,3 +105,56 @@ def test_terraform_init_fails_cleanly_on_a_bad_signature(tmp_path: Path, proxy: 
     assert registry.archive_requests() == []
     assert not (workdir / ".terraform/providers").exists() or not any(
         (workdir / ".terraform/providers").rglob("terraform-provider-*"))
+
+
+MODULE_ROOT = """
+terraform {
+  required_providers {
+    null = { source = "hashicorp/null", version = "3.2.1" }
+  }
+}
+
+module "net" {
+  source  = "acme/net/aws"
+  version = "1.2.0"
+}
+
+module "tarball" {
+  source  = "registry.terraform.io/acme/tarball/aws"
+  version = "~> 1.0"
+}
+"""
+
+
+def test_terraform_installs_registry_modules_through_the_proxy_and_offline(
+        tmp_path: Path, proxy: ProxyProcess, registry: FakeRegistry) -> None:
+    root = MODULE_ROOT + f"""
+module "direct" {{
+  source  = "127.0.0.1:{proxy.port}/acme/tarball/aws"
+  version = "1.0.0"
+}}
+"""
+    workdir, env = client_setup(tmp_path, proxy, "modules", root)
+    result = terraform_init(workdir, env)
+    assert result.retcode == 0, result.output
+    installed = workdir / ".terraform/modules"
+    manifest = json.loads((installed / "modules.json").read_text())
+    versions = {m["Key"]: m.get("Version") for m in manifest["Modules"] if m["Key"]}
+    # "direct" is addressed to the proxy's own host: our discovery document sent Terraform
+    # to the default upstream host's modules.
+    assert versions == {"net": "1.2.0", "tarball": "1.0.0", "direct": "1.0.0"}
+    assert b'default = "net"' in (installed / "net/main.tf").read_bytes()
+    assert (installed / "net/shared/main.tf").exists()       # the git submodule
+    assert (installed / "net/modules/sub/main.tf").exists()
+    assert not (installed / "net/.git").exists()
+    assert (installed / "tarball/main.tf").exists()          # the //*/modules/inner subdir
+    assert any(p.startswith("/git/net.git/") for p in registry.paths())
+    # Upstream registry and git server gone: a fresh directory still initializes, so every
+    # byte came from the proxy.
+    registry.requests.clear()
+    registry.faults.add("down")
+    again, env2 = client_setup(tmp_path, proxy, "modules-offline", MODULE_ROOT)
+    result = terraform_init(again, env2)
+    assert result.retcode == 0, result.output
+    assert (again / ".terraform/modules/net/shared/main.tf").exists()
+    assert registry.requests == []
