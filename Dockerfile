@@ -8,6 +8,10 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # Runtime stage: no compilers, no build files, a non-root user, the cache on a volume.
 FROM python:3.11-slim
+# git clones module sources that registries point at (git::https://...).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends git ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/tf-registry-proxy \
         --create-home tfproxy \
     && mkdir -p /var/cache/tf-registry-proxy \

@@ -25,13 +25,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
                           text=True, env={**base, **(env or {})}, timeout=timeout)
 
 
-def test_client_config_prints_a_network_mirror_block(tmp_path: Path) -> None:
+def test_client_config_prints_mirror_and_module_host_blocks(tmp_path: Path) -> None:
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     result = run_cli("client-config", env=env)
     assert result.returncode == 0, result.stderr
     assert 'url = "https://127.0.0.1:8443/mirror/"' in result.stdout
     assert "provider_installation {" in result.stdout
     assert f"SSL_CERT_FILE={tmp_path}/tf-registry-proxy/tls/ca.pem" in result.stdout
+    for host in ("registry.terraform.io", "registry.opentofu.org"):
+        assert (f'host "{host}" {{\n  services = {{\n    "modules.v1" = '
+                f'"https://127.0.0.1:8443/modules/{host}/"') in result.stdout
 
 
 def test_client_config_uses_public_url(tmp_path: Path) -> None:
