@@ -97,6 +97,10 @@ class UpstreamConfig:
         """Every upstream host the proxy serves: allowed_hosts plus configured hosts."""
         return frozenset(self.allowed_hosts) | frozenset(self.hosts)
 
+    def serves(self, hostname: str) -> bool:
+        """Whether the proxy serves (and may contact) this normalized upstream hostname."""
+        return hostname in self.allowed_hosts or hostname in self.hosts
+
 
 @dataclass(frozen=True)
 class ModulesConfig:

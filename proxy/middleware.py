@@ -37,6 +37,8 @@ def error_middleware(metrics: Metrics) -> Middleware:
             if exc.status < 400:
                 raise
             response = json_error(exc.status, exc.reason)
+            if "Allow" in exc.headers:  # a 405 must say what is allowed
+                response.headers["Allow"] = exc.headers["Allow"]
         except Exception:
             log.exception("unexpected error on %s %s", request.method, request.path)
             response = json_error(500, "internal error")

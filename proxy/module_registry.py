@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import Config
-from proxy.errors import NotFound, UpstreamError
+from proxy.errors import NotFound
+from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
 from proxy.models import ModuleAddress
 from proxy.module_packing import pack, select_subdir, unpack
@@ -28,8 +28,6 @@ from proxy.upstream.http import UpstreamHTTP
 from proxy.upstream.module_registry import ModuleRegistryClient
 
 log = logging.getLogger(__name__)
-
-UNKNOWN_VERSION_REFRESH_SECONDS = 30.0
 
 
 class ModuleRegistry:
@@ -45,16 +43,18 @@ class ModuleRegistry:
         self._config = config
         self._metrics = metrics
         self._git_ca_file = git_ca_file
-        self._version_fills: SingleFlight[list[str]] = SingleFlight()
+        self._version_lists = RefreshingDocuments[list[str]](
+            "module_versions", cache, metrics, config.upstream.versions_ttl,
+            encode=list, decode=list)
         self._archive_fills: SingleFlight[Path] = SingleFlight()
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
         await self._archive_fills.cancel_all()
-        await self._version_fills.cancel_all()
+        await self._version_lists.close()
 
     def _require_served(self, module: ModuleAddress) -> None:
-        if module.hostname not in self._config.upstream.all_hosts:
+        if not self._config.upstream.serves(module.hostname):
             raise NotFound(f"host {module.hostname} is not served by this proxy")
 
     # --- protocol operations -------------------------------------------------------------
@@ -80,28 +80,9 @@ class ModuleRegistry:
     # --- versions ------------------------------------------------------------------------
 
     async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
-        key = f"module-versions/{module}"
-        record = await self._cache.get(key)
-        now = time.time()
-        if record is not None:
-            age = now - record["fetched_at"]
-            known = wanted is None or wanted in record["versions"]
-            if age < self._config.upstream.versions_ttl and \
-                    (known or age < UNKNOWN_VERSION_REFRESH_SECONDS):
-                self._metrics.cache_lookups.labels("module_versions", "hit").inc()
-                return list(record["versions"])
-        try:
-            versions = await self._version_fills.run(
-                key, lambda: self._client.list_versions(module))
-        except UpstreamError as exc:
-            if record is None:
-                raise
-            self._metrics.cache_lookups.labels("module_versions", "stale").inc()
-            log.warning("serving stale versions of module %s: %s", module, exc.message)
-            return list(record["versions"])
-        self._metrics.cache_lookups.labels("module_versions", "miss").inc()
-        await self._cache.set(key, {"fetched_at": now, "versions": versions})
-        return versions
+        return await self._version_lists.get(
+            f"module-versions/{module}", lambda: self._client.list_versions(module),
+            knows=None if wanted is None else (lambda versions: wanted in versions))
 
     # --- archives ------------------------------------------------------------------------
 

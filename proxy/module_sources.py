@@ -41,12 +41,22 @@ def resolve_location(location: str, download_url: str) -> str:
     """Locations starting with `/`, `./` or `../` are relative to the download URL; anything
     else is a go-getter source string used as is."""
     if location.startswith(("/", "./", "../")):
-        return urljoin(download_url, location)
+        try:
+            return urljoin(download_url, location)
+        except ValueError:
+            raise UpstreamError(f"invalid module location {location[:200]!r}") from None
     return location
 
 
 def parse_source(location: str) -> ModuleSource:
     """Parse a go-getter source string into something the proxy can fetch."""
+    try:
+        return _parse_source(location)
+    except ValueError:  # urllib on malformed URLs, e.g. an invalid IPv6 literal
+        raise UpstreamError(f"invalid module location {location[:200]!r}") from None
+
+
+def _parse_source(location: str) -> ModuleSource:
     if not location or len(location) > _MAX_LOCATION or not location.isprintable():
         raise UpstreamError("upstream module location is empty, too long or not printable")
     forced, rest = None, location
@@ -116,7 +126,7 @@ def _git_source(url: str, subdir: str, location: str) -> ModuleSource:
                 raise UpstreamError(f"invalid git ref {value[:100]!r}")
             ref = value
         elif key == "depth":
-            continue  # we always clone shallowly where we can
+            continue  # a full clone serves every ref; dumb-HTTP servers cannot go shallow
         elif key == "sshkey":
             raise UnsupportedSource("git module sources with an ssh key are not supported")
         else:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, ProxyError, UpstreamError
-from proxy.hashes import zh_hash
+from proxy.freshness import RefreshingDocuments
+from proxy.hashes import h1_of_zip, zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
 from proxy.registry_documents import DownloadInfo, VersionEntry, parse_sha256sums
@@ -29,11 +29,19 @@ from proxy.upstream.provider_registry import ProviderRegistryClient
 log = logging.getLogger(__name__)
 
 # registry.opentofu.org publishes some providers without signing keys; OpenTofu accepts that
-# for this host alone, so the proxy does too (logged and counted). Every other host must sign.
+# for this host alone, so the proxy does too (logged). Every other host must sign.
 UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
-# A client asking for a version we do not list forces a refresh, at most this often.
-UNKNOWN_VERSION_REFRESH_SECONDS = 30.0
 _PLATFORM_FETCH_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class VerifiedPackage:
+    """Facts about one package that were checked against the signed SHA256SUMS; immutable.
+    (Download URLs are not kept: registries may hand out short-lived ones.)"""
+
+    filename: str
+    shasum: str
+    h1: str | None = None
 
 
 class ProviderMirror:
@@ -46,78 +54,81 @@ class ProviderMirror:
         self._archives = archives
         self._config = config
         self._metrics = metrics
-        self._version_fills: SingleFlight[list[VersionEntry]] = SingleFlight()
-        self._package_fills: SingleFlight[dict[str, Any]] = SingleFlight()
+        self._versions = RefreshingDocuments[list[VersionEntry]](
+            "versions", cache, metrics, config.versions_ttl,
+            encode=lambda entries: [_entry_to_record(e) for e in entries],
+            decode=lambda records: [_entry_from_record(r) for r in records])
+        self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
         self._archive_fills: SingleFlight[Path] = SingleFlight()
 
     async def close(self) -> None:
         """Stop fills under way (shutdown); their temp files are swept at the next start."""
-        for flights in (self._archive_fills, self._sums_fills, self._package_fills,
-                        self._version_fills):
+        for flights in (self._archive_fills, self._sums_fills, self._package_fills):
             await flights.cancel_all()
-
-    # --- protocol operations -------------------------------------------------------------
+        await self._versions.close()
 
     def _require_served(self, provider: ProviderAddress) -> None:
         # Checked before the cache too: a host dropped from the config is not served from disk.
-        if provider.hostname not in self._config.all_hosts:
+        if not self._config.serves(provider.hostname):
             raise NotFound(f"host {provider.hostname} is not served by this proxy")
+
+    # --- protocol operations -------------------------------------------------------------
 
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists."""
         self._require_served(provider)
-        entries = await self._versions(provider)
+        entries = await self._version_list(provider)
         ordered = sorted((e.version for e in entries), key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
 
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:
         """The body of `VERSION.json`: every platform whose package verifies, with its hashes.
 
-        Platforms that upstream lists but cannot (yet) deliver are left out and retried on the
-        next request: nothing about them is cached."""
+        Platforms that upstream lists but cannot (yet) deliver or verify are left out and
+        retried on the next request: nothing about them is cached. A bad signature condemns
+        the whole release."""
         self._require_served(provider)
         entry = await self._version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
         limit = asyncio.Semaphore(_PLATFORM_FETCH_CONCURRENCY)
 
-        async def one(platform: Platform) -> dict[str, Any]:
+        async def one(platform: Platform) -> VerifiedPackage:
             async with limit:
                 return await self._package(provider, version, platform)
 
         results = await asyncio.gather(*(one(p) for p in entry.platforms),
                                        return_exceptions=True)
         archives: dict[str, Any] = {}
-        failures: list[ProxyError] = []
+        failures: list[str] = []
         for platform, result in zip(entry.platforms, results, strict=True):
-            if isinstance(result, IntegrityError):
-                raise result  # a bad signature or checksum condemns the release, loudly
-            if isinstance(result, ProxyError):
-                log.warning("%s %s %s left out: %s", provider, version, platform.key,
-                            result.message)
-                failures.append(result)
-                continue
-            if isinstance(result, BaseException):
+            if isinstance(result, IntegrityError) and result.kind == "signature":
                 raise result
-            hashes = [zh_hash(result["shasum"])]
-            if result.get("h1"):
-                hashes.insert(0, result["h1"])
-            archives[platform.key] = {
-                "url": provider.archive_filename(version, platform),
-                "hashes": hashes,
-            }
+            if isinstance(result, BaseException):
+                if not isinstance(result, ProxyError):
+                    log.error("%s %s %s left out", provider, version, platform.key,
+                              exc_info=result)
+                message = result.message if isinstance(result, ProxyError) else "internal error"
+                log.warning("%s %s %s left out: %s", provider, version, platform.key, message)
+                failures.append(message)
+                continue
+            package = await self._with_h1(provider, version, platform, result)
+            hashes = [zh_hash(package.shasum)]
+            if package.h1:
+                hashes.insert(0, package.h1)
+            archives[platform.key] = {"url": provider.archive_filename(version, platform),
+                                      "hashes": hashes}
         if not archives:
             raise UpstreamError(f"no package of {provider} {version} could be fetched: "
-                                f"{failures[0].message}")
+                                f"{failures[0]}")
         return {"archives": archives}
 
     async def archive(self, provider: ProviderAddress, filename: str) -> Path:
         """The verified package file named `filename`, fetched and stored on a miss."""
         self._require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
-        parts = self._archive_parts(provider, version, platform)
-        path = await self._archives.lookup(parts)
+        path = await self._archives.lookup(self._archive_parts(provider, version, platform))
         if path is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
             return path
@@ -128,55 +139,43 @@ class ProviderMirror:
 
     # --- versions ------------------------------------------------------------------------
 
+    async def _version_list(self, provider: ProviderAddress,
+                            wanted: str | None = None) -> list[VersionEntry]:
+        return await self._versions.get(
+            f"versions/{provider}", lambda: self._registry.list_versions(provider),
+            knows=None if wanted is None else
+            (lambda entries: any(e.version == wanted for e in entries)))
+
     async def _version_entry(self, provider: ProviderAddress, version: str) -> VersionEntry:
-        for entry in await self._versions(provider, wanted=version):
+        for entry in await self._version_list(provider, wanted=version):
             if entry.version == version:
                 return entry
         raise NotFound(f"{provider} has no version {version}")
 
-    async def _versions(self, provider: ProviderAddress,
-                        wanted: str | None = None) -> list[VersionEntry]:
-        key = f"versions/{provider}"
-        record = await self._cache.get(key)
-        now = time.time()
-        if record is not None:
-            entries = [_entry_from_record(e) for e in record["entries"]]
-            age = now - record["fetched_at"]
-            fresh = age < self._config.versions_ttl
-            known = wanted is None or any(e.version == wanted for e in entries)
-            if fresh and (known or age < UNKNOWN_VERSION_REFRESH_SECONDS):
-                self._metrics.cache_lookups.labels("versions", "hit").inc()
-                return entries
-        try:
-            entries = await self._version_fills.run(
-                key, lambda: self._registry.list_versions(provider))
-        except UpstreamError as exc:
-            if record is None:
-                raise
-            self._metrics.cache_lookups.labels("versions", "stale").inc()
-            log.warning("serving stale versions of %s: %s", provider, exc.message)
-            return [_entry_from_record(e) for e in record["entries"]]
-        self._metrics.cache_lookups.labels("versions", "miss").inc()
-        await self._cache.set(key, {"fetched_at": now,
-                                    "entries": [_entry_to_record(e) for e in entries]})
-        return entries
-
     # --- verified package facts ----------------------------------------------------------
 
-    async def _package(self, provider: ProviderAddress, version: str,
-                       platform: Platform) -> dict[str, Any]:
-        key = f"package/{provider}/{version}/{platform.key}"
+    @staticmethod
+    def _package_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
+        return f"package/{provider}/{version}/{platform.key}"
+
+    async def _package(self, provider: ProviderAddress, version: str, platform: Platform,
+                       info: DownloadInfo | None = None) -> VerifiedPackage:
+        key = self._package_key(provider, version, platform)
         record = await self._cache.get(key)
         if record is not None:
             self._metrics.cache_lookups.labels("package", "hit").inc()
-            return record
+            return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"))
         self._metrics.cache_lookups.labels("package", "miss").inc()
         return await self._package_fills.run(
-            key, lambda: self._fill_package(key, provider, version, platform))
+            key, lambda: self._fill_package(key, provider, version, platform, info))
 
     async def _fill_package(self, key: str, provider: ProviderAddress, version: str,
-                            platform: Platform) -> dict[str, Any]:
-        info = await self._registry.download_info(provider, version, platform)
+                            platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
+        record = await self._cache.get(key)  # a fill that finished since the caller looked
+        if record is not None:
+            return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"))
+        if info is None:
+            info = await self._registry.download_info(provider, version, platform)
         sums = parse_sha256sums(await self._signed_sums(provider, version, info))
         listed = sums.get(info.filename)
         if listed is None:
@@ -185,10 +184,22 @@ class ProviderMirror:
         if listed != info.shasum:
             raise self._integrity("sha256sums", f"SHA256SUMS lists {listed} for "
                                   f"{info.filename}, the download document {info.shasum}")
-        record = {"filename": info.filename, "shasum": info.shasum,
-                  "download_url": info.download_url}
-        await self._cache.set(key, record)
-        return record
+        package = VerifiedPackage(filename=info.filename, shasum=info.shasum)
+        await self._cache.set(key, asdict(package))
+        return package
+
+    async def _with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
+                       package: VerifiedPackage) -> VerifiedPackage:
+        """Fill in a missing h1 from the stored zip (lost if a crash hit between publishing
+        the file and recording its hash)."""
+        if package.h1 is not None:
+            return package
+        path = await self._archives.lookup(self._archive_parts(provider, version, platform))
+        if path is None:
+            return package
+        package = replace(package, h1=await asyncio.to_thread(h1_of_zip, path))
+        await self._cache.set(self._package_key(provider, version, platform), asdict(package))
+        return package
 
     async def _signed_sums(self, provider: ProviderAddress, version: str,
                            info: DownloadInfo) -> bytes:
@@ -203,6 +214,9 @@ class ProviderMirror:
         return await self._sums_fills.run(key, lambda: self._fill_sums(key, provider, info))
 
     async def _fill_sums(self, key: str, provider: ProviderAddress, info: DownloadInfo) -> bytes:
+        record = await self._cache.get(key)  # a fill that finished since the caller looked
+        if record is not None:
+            return bytes(record["sums"])
         sums, signature = await self._registry.shasums(provider, info)
         if not info.signing_keys and provider.hostname in UNSIGNED_ALLOWED_HOSTS:
             log.warning("%s publishes %s without signing keys; accepted for this host only",
@@ -233,24 +247,31 @@ class ProviderMirror:
         published = await self._archives.lookup(parts)
         if published is not None:
             return published
-        await self._version_entry(provider, version)  # 404 for versions upstream does not list
-        package = await self._package(provider, version, platform)
-        info_url = package["download_url"]
+        entry = await self._version_entry(provider, version)
+        if platform not in entry.platforms:
+            raise NotFound(f"{provider} {version} is not published for {platform.key}")
+        # A fresh download document every time: its URL may be short-lived.
+        info = await self._registry.download_info(provider, version, platform)
+        package = await self._package(provider, version, platform, info)
+        if (info.filename, info.shasum) != (package.filename, package.shasum):
+            raise self._integrity("changed", f"upstream now describes {provider} {version} "
+                                  f"{platform.key} differently from what it signed before")
         self._metrics.fills_in_flight.inc()
         try:
-            log.info("fetching %s %s %s from %s", provider, version, platform.key, info_url)
-            stream = self._registry.open_package(provider, info_url,
+            log.info("fetching %s %s %s from %s", provider, version, platform.key,
+                     info.download_url)
+            stream = self._registry.open_package(provider, info.download_url,
                                                  self._config.max_archive_size)
             async with stream as chunks:
                 try:
-                    stored = await self._archives.store(parts, chunks, package["shasum"])
+                    stored = await self._archives.store(parts, chunks, package.shasum)
                 except IntegrityError as exc:
                     raise self._integrity(exc.kind, f"{provider} {version} {platform.key}: "
                                           f"{exc.message}") from None
         finally:
             self._metrics.fills_in_flight.dec()
-        key = f"package/{provider}/{version}/{platform.key}"
-        await self._cache.set(key, {**package, "h1": stored.h1, "size": stored.size})
+        await self._cache.set(self._package_key(provider, version, platform),
+                              asdict(replace(package, h1=stored.h1)))
         return stored.path
 
     def _integrity(self, kind: str, message: str) -> IntegrityError:
@@ -260,9 +281,8 @@ class ProviderMirror:
 
 
 def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:
-    record = asdict(entry)
-    record["platforms"] = [p.key for p in entry.platforms]
-    return record
+    return {"version": entry.version, "protocols": list(entry.protocols),
+            "platforms": [p.key for p in entry.platforms]}
 
 
 def _entry_from_record(record: dict[str, Any]) -> VersionEntry:

@@ -107,7 +107,7 @@ def parse_sha256sums(data: bytes) -> dict[str, str]:
         digest, _, name = raw_line.strip().partition(" ")
         name = name.strip().removeprefix("*")
         if _SHA256_HEX.fullmatch(digest.lower()) and name:
-            sums[name] = digest.lower()
+            sums.setdefault(name, digest.lower())  # the first line wins, as in Terraform
     return sums
 
 
@@ -127,8 +127,12 @@ def _https_url(document: dict[str, object], key: str, final_url: str) -> str:
     value = document.get(key)
     if not isinstance(value, str) or not value or len(value) > 4096:
         raise UpstreamError(f"upstream download document has no valid {key}")
-    url = urljoin(final_url, value)
-    parts = urlsplit(url)
-    if parts.scheme != "https" or not parts.hostname:
-        raise UpstreamError(f"upstream {key} is not an https URL")
+    try:
+        url = urljoin(final_url, value)
+        parts = urlsplit(url)
+        valid = parts.scheme == "https" and bool(parts.hostname)
+    except ValueError:  # e.g. "//[x": an invalid IPv6 literal
+        valid = False
+    if not valid:
+        raise UpstreamError(f"upstream {key} is not a valid https URL")
     return url

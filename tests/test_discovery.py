@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,12 +30,16 @@ FINAL = "https://registry.example/.well-known/terraform.json"
      {"providers.v1": "https://other.example/p/", "modules.v1": "https://registry.example/m/"}),
     (b'{"providers.v1": "http://plain.example/p/"}', JSON, {}),
     (b'{"providers.v1": 42, "login.v1": {"client": "x"}}', JSON, {}),
-    (b'{"providers.v1": "/v1/providers/"}', "text/html", {}),
-    (b'["providers.v1"]', JSON, {}),
-    (b"not json", JSON, {}),
-    (b"\xff\xfe", JSON, {}),
+    (b'{"providers.v1": "//[x", "modules.v1": "https://["}', JSON, {}),
+    (b"[" * 100_000 + b"]" * 100_000, JSON, None),
+    (b'{"providers.v1": ' + b"1" * 5000 + b"}", JSON, None),
+    (b'{"providers.v1": "/v1/providers/"}', "text/html", None),
+    (b'["providers.v1"]', JSON, None),
+    (b"not json", JSON, None),
+    (b"\xff\xfe", JSON, None),
 ])
-def test_parse_discovery(body: bytes, content_type: str, expected: dict[str, str]) -> None:
+def test_parse_discovery(body: bytes, content_type: str,
+                         expected: dict[str, str] | None) -> None:
     assert parse_discovery(body, content_type, FINAL) == expected
 
 
@@ -75,11 +80,43 @@ async def test_discovery_follows_redirects_and_resolves_against_final_url(
 
 async def test_host_without_services_is_404(aiohttp_client, discovering_config,  # type: ignore[no-untyped-def]
                                             registry: FakeRegistry) -> None:
-    registry.faults.add("html-discovery")
+    registry.faults.add("no-discovery")
     client: TestClient = await aiohttp_client(create_app(discovering_config()))
     response = await client.get(f"/mirror/localhost:{registry.port}/hashicorp/null/index.json")
     assert response.status == 404
     assert "offers no providers.v1" in (await response.json())["errors"][0]
+
+
+async def test_garbage_discovery_is_an_upstream_error_not_a_verdict(
+        aiohttp_client, discovering_config, registry: FakeRegistry) -> None:  # type: ignore[no-untyped-def]
+    registry.faults.add("html-discovery")
+    client: TestClient = await aiohttp_client(create_app(discovering_config()))
+    response = await client.get(f"/mirror/localhost:{registry.port}/hashicorp/null/index.json")
+    assert response.status == 502
+    assert "did not answer a JSON object" in (await response.json())["errors"][0]
+
+
+async def test_stale_discovery_is_used_when_upstream_breaks(
+        aiohttp_client, tmp_path: Path, registry: FakeRegistry,  # type: ignore[no-untyped-def]
+        upstream_ca_file: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"""
+[cache]
+dir = "{tmp_path / 'cache'}"
+[upstream]
+ca_bundle = "{upstream_ca_file}"
+allowed_hosts = ["localhost:{registry.port}"]
+discovery_ttl = 0.001
+""")
+    client: TestClient = await aiohttp_client(create_app(load_config(path, environ={})))
+    base = f"/mirror/localhost:{registry.port}/hashicorp/null"
+    assert (await client.get(f"{base}/index.json")).status == 200
+    registry.faults.add("html-discovery")
+    await asyncio.sleep(0.01)
+    assert (await client.get(f"{base}/3.1.0.json")).status == 200
+    assert (await client.get(f"{base}/3.2.1.json")).status == 200
+    # One failed try, then the stale answer is used without asking again (backoff).
+    assert registry.paths().count("/.well-known/terraform.json") == 2
 
 
 async def test_untrusted_upstream_certificate_is_refused(

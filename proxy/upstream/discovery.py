@@ -17,6 +17,8 @@ from proxy.singleflight import SingleFlight
 from proxy.upstream.http import MAX_JSON_BYTES, UpstreamHTTP
 
 log = logging.getLogger(__name__)
+# After discovery failed, the last good answer is used without asking again for this long.
+FAILURE_BACKOFF_SECONDS = 30.0
 
 
 class Discovery:
@@ -27,14 +29,11 @@ class Discovery:
         self._config = config
         self._cache: dict[str, tuple[float, Mapping[str, str]]] = {}
         self._flights: SingleFlight[Mapping[str, str]] = SingleFlight()
-
-    def is_allowed(self, hostname: str) -> bool:
-        """Whether the proxy may serve (and contact) this normalized hostname."""
-        return hostname in self._config.all_hosts
+        self._failed_until: dict[str, float] = {}
 
     async def service_url(self, hostname: str, service: str) -> str:
         """The base URL (ending in `/`) of `service` on `hostname`; NotFound if not offered."""
-        if not self.is_allowed(hostname):
+        if not self._config.serves(hostname):
             raise NotFound(f"host {hostname} is not served by this proxy")
         services = await self.services(hostname)
         url = services.get(service)
@@ -48,47 +47,58 @@ class Discovery:
         if override is not None:
             return override.services
         cached = self._cache.get(hostname)
-        if cached is not None and time.monotonic() - cached[0] < self._config.discovery_ttl:
+        now = time.monotonic()
+        if cached is not None and (now - cached[0] < self._config.discovery_ttl
+                                   or self._failed_until.get(hostname, 0.0) > now):
             return cached[1]
         try:
             services = await self._flights.run(hostname, lambda: self._discover(hostname))
         except UpstreamError:
             if cached is not None:
                 log.warning("discovery for %s failed; using the stale answer", hostname)
+                self._failed_until[hostname] = now + FAILURE_BACKOFF_SECONDS
                 return cached[1]
             raise
+        self._failed_until.pop(hostname, None)
         self._cache[hostname] = (time.monotonic(), services)
         return services
 
     async def _discover(self, hostname: str) -> Mapping[str, str]:
         url = f"https://{hostname}/.well-known/terraform.json"
         fetched = await self._http.get(url, hostname, MAX_JSON_BYTES)
-        if fetched.status >= 500 or fetched.status == 429:
-            raise UpstreamError(f"discovery on {hostname} answered {fetched.status}")
-        if fetched.status != 200:
-            log.info("discovery on %s answered %s: no services", hostname, fetched.status)
+        if fetched.status == 404:
+            log.info("discovery on %s answered 404: no services", hostname)
             return {}
-        return parse_discovery(fetched.body, fetched.content_type, fetched.url)
+        if fetched.status != 200:
+            raise UpstreamError(f"discovery on {hostname} answered {fetched.status}")
+        services = parse_discovery(fetched.body, fetched.content_type, fetched.url)
+        if services is None:
+            # A captive portal or a broken proxy, not an answer: not cached, stale stays valid.
+            raise UpstreamError(f"discovery on {hostname} did not answer a JSON object")
+        return services
 
 
-def parse_discovery(body: bytes, content_type: str, final_url: str) -> dict[str, str]:
+def parse_discovery(body: bytes, content_type: str, final_url: str) -> dict[str, str] | None:
     """Services from a discovery document: application/json, a JSON object; relative URLs
-    resolve against the final URL. Anything else means the host offers no services."""
+    resolve against the final URL. None when the body is not such a document."""
     if content_type.split(";")[0].strip().lower() != "application/json":
-        return {}
+        return None
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return {}
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, absurd numbers or nesting
+        return None
     if not isinstance(document, dict):
-        return {}
+        return None
     services: dict[str, str] = {}
     for name in KNOWN_SERVICES:
         value = document.get(name)
         if not isinstance(value, str) or not value:
             continue
-        url = urljoin(final_url, value)
-        if urlsplit(url).scheme != "https":
+        try:
+            url = urljoin(final_url, value)
+            if urlsplit(url).scheme != "https" or not urlsplit(url).hostname:
+                continue
+        except ValueError:  # e.g. "//[x": an invalid IPv6 literal
             continue
         # Clients do not add the trailing slash; neither may we drop path segments.
         services[name] = url if url.endswith("/") else url + "/"

@@ -42,10 +42,13 @@ def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
     """The one outbound session: honors HTTPS_PROXY/NO_PROXY (trust_env)."""
     connector = aiohttp.TCPConnector(ssl=make_ssl_context(config), limit=64,
                                      ttl_dns_cache=60)
+    # Bytes are verified and served exactly as published: ask for no content coding at all
+    # (aiohttp would otherwise offer gzip) and refuse answers that use one anyway.
     return aiohttp.ClientSession(
         connector=connector,
         trust_env=True,
-        headers={"User-Agent": USER_AGENT},
+        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+        skip_auto_headers=("Accept-Encoding",),
         auto_decompress=False,
     )
 
@@ -71,7 +74,9 @@ class UpstreamHTTP:
         self._metrics = metrics
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, sock_connect=self._config.connect_timeout)
+        # sock_read catches a stalled transfer long before the total deadline.
+        return aiohttp.ClientTimeout(total=total, sock_connect=self._config.connect_timeout,
+                                     sock_read=self._config.metadata_timeout)
 
     @asynccontextmanager
     async def _open(self, url: str, origin: str, total: float,
@@ -86,8 +91,12 @@ class UpstreamHTTP:
                 async with self._session.get(url, allow_redirects=False, headers=headers,
                                              timeout=self._timeout(total)) as response:
                     if response.status in _REDIRECTS and "Location" in response.headers:
-                        url = urljoin(url, response.headers["Location"])
+                        url = _redirect_target(url, response.headers["Location"], origin)
                         continue
+                    encoding = response.headers.get("Content-Encoding", "identity").lower()
+                    if encoding not in ("", "identity"):
+                        raise UpstreamError(f"upstream {origin} answered with content coding "
+                                            f"{encoding[:40]!r} although none was accepted")
                     outcome = _outcome(response.status)
                     yield response
                     return
@@ -119,8 +128,9 @@ class UpstreamHTTP:
         _require_ok(fetched, origin)
         try:
             return fetched.url, json.loads(fetched.body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise UpstreamError(f"upstream {origin} answered invalid JSON for {url}") from None
+        except (ValueError, RecursionError):  # bad UTF-8 or JSON, absurd numbers or nesting
+            raise UpstreamError(f"upstream {origin} answered invalid JSON for "
+                                f"{url[:200]}") from None
 
     async def get_bytes(self, url: str, origin: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         """GET a small file that must exist (SHA256SUMS, signatures)."""
@@ -170,9 +180,20 @@ class UpstreamHTTP:
             raise UpstreamError(f"upstream {origin} download failed: {_describe(exc)}") from None
 
 
+def _redirect_target(url: str, location: str, origin: str) -> str:
+    try:
+        return urljoin(url, location)
+    except ValueError:
+        raise UpstreamError(f"upstream {origin} redirected to an invalid URL") from None
+
+
 def _require_https(url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme != "https" or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        valid = parts.scheme == "https" and bool(parts.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
         raise UpstreamError(f"refusing non-https upstream URL {url[:200]!r}")
 
 

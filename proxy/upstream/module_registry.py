@@ -62,18 +62,18 @@ def parse_module_versions(document: object) -> list[str]:
     raw = document["modules"][0].get("versions")
     if not isinstance(raw, list):
         raise UpstreamError("upstream module versions document has no versions array")
-    versions: list[str] = []
+    versions: dict[str, None] = {}  # ordered, de-duplicated in linear time
     for item in raw:
         version = item.get("version") if isinstance(item, dict) else None
-        if is_valid_module_version(version) and version not in versions:
-            versions.append(version)  # type: ignore[arg-type]
-    return versions
+        if isinstance(version, str) and is_valid_module_version(version):
+            versions[version] = None
+    return list(versions)
 
 
 def _json_location(body: bytes) -> str | None:
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):
         return None
     location = document.get("location") if isinstance(document, dict) else None
     return location if isinstance(location, str) else None

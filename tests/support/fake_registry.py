@@ -193,6 +193,8 @@ class FakeRegistry:
         return await handler(request)  # type: ignore[operator]
 
     async def _discovery(self, request: web.Request) -> web.Response:
+        if "no-discovery" in self.faults:
+            raise web.HTTPNotFound()
         if "moved-discovery" in self.faults and request.path.startswith("/.well-known/"):
             raise web.HTTPFound("/moved/terraform.json")
         if "html-discovery" in self.faults:
