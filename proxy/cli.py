@@ -1,10 +1,14 @@
-"""Command line: `serve` and `client-config`."""
+"""Command line: `serve`, `client-config` and `healthcheck`."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
+import ssl
 import sys
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from proxy.config import Config, ConfigError, load_config
 from proxy.tls import ensure_certificate, ssl_context
 
 log = logging.getLogger("proxy")
+_ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in (("serve", "run the proxy (HTTPS)"),
-                       ("client-config", "print a Terraform CLI config that uses this proxy")):
+                       ("client-config", "print a Terraform CLI config that uses this proxy"),
+                       ("healthcheck", "exit 0 if the proxy on this machine answers /healthz")):
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument("--config", type=Path, metavar="FILE",
                              help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
@@ -48,26 +54,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         generated_ca = None if config.server.tls_cert else config.cache.dir / "tls" / "ca.pem"
         sys.stdout.write(render_client_config(config, generated_ca))
         return 0
+    if args.command == "healthcheck":
+        return _healthcheck(config)
     return _serve(config)
+
+
+def _fail(message: str) -> int:
+    print(f"tf-registry-proxy: {message}", file=sys.stderr)
+    return 2
 
 
 def _serve(config: Config) -> int:
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = config.server
     try:
         config.cache.dir.mkdir(parents=True, exist_ok=True)
-        certificate = ensure_certificate(config.server, config.cache.dir)
+    except OSError as exc:
+        return _fail(f"cache.dir {config.cache.dir}: {exc.strerror}")
+    try:
+        certificate = ensure_certificate(server, config.cache.dir)
         context = ssl_context(certificate)
-    except (OSError, ValueError) as exc:
-        print(f"tf-registry-proxy: cannot set up TLS or the cache directory: {exc}",
-              file=sys.stderr)
-        return 2
-    if certificate.ca is not None:
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        where = (f"server.tls_cert {server.tls_cert} / server.tls_key {server.tls_key}"
+                 if server.tls_cert else f"generated certificate under {config.cache.dir}/tls")
+        return _fail(f"cannot load the serving certificate ({where}): {exc}")
+    return asyncio.run(_run(config, context, certificate.ca))
+
+
+async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | None) -> int:
+    server = config.server
+    runner = web.AppRunner(create_app(config), access_log_format=_ACCESS_LOG_FORMAT,
+                           handle_signals=False)
+    await runner.setup()
+    # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
+    hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
+    try:
+        for host in hosts:
+            await web.TCPSite(runner, host, server.port, ssl_context=context).start()
+    except OSError as exc:
+        await runner.cleanup()
+        return _fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
+                     f"{exc.strerror or exc}")
+    if generated_ca is not None:
         log.info("serving with a generated certificate; clients trust it with "
-                 "SSL_CERT_FILE=%s", certificate.ca)
-    log.info("network mirror at %smirror/ (cache: %s)", config.server.base_url,
-             config.cache.dir)
-    web.run_app(create_app(config), host=config.server.host, port=config.server.port,
-                ssl_context=context, print=None, handle_signals=True,
-                access_log_format='%a "%r" %s %b %Tfs')
+                 "SSL_CERT_FILE=%s", generated_ca)
+    log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
+             server.port, server.base_url, config.cache.dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
     return 0
+
+
+def _healthcheck(config: Config) -> int:
+    host = config.server.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    # A liveness probe on this machine only: the certificate may be an operator's whose CA
+    # this process does not know, so this one request does not verify it.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(f"https://{host}:{config.server.port}/healthz",
+                                    context=context, timeout=5) as response:
+            return 0 if response.status == 200 else 1
+    except OSError as exc:
+        print(f"tf-registry-proxy: unhealthy: {exc}", file=sys.stderr)
+        return 1

@@ -6,8 +6,10 @@ means the built-in defaults.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,8 +89,9 @@ class UpstreamConfig:
     hosts: Mapping[str, UpstreamHostConfig] = field(default_factory=dict)
     discovery_ttl: float = 3600.0
     versions_ttl: float = 600.0
-    connect_timeout: float = 10.0
-    metadata_timeout: float = 30.0
+    # Terraform gives a mirror 10 s per request; an upstream answer must come well before.
+    connect_timeout: float = 5.0
+    metadata_timeout: float = 8.0
     download_timeout: float = 1800.0
     max_archive_size: int = 2 * 2**30
 
@@ -135,8 +138,8 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
             raise ConfigError([f"cannot read config file {path}: {exc.strerror}"]) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
-    _apply_env(raw, env)
-    return _Parser(raw).config()
+    env_problems = _apply_env(raw, env)
+    return _Parser(raw, env_problems).config()
 
 
 _ENV_KEYS = {
@@ -148,22 +151,29 @@ _ENV_KEYS = {
 }
 
 
-def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
+    """Apply TF_REGISTRY_PROXY_<TABLE>_<KEY> overrides; returns problems for unknown ones."""
+    known = {CONFIG_ENV}
     for section, keys in _ENV_KEYS.items():
         for key in keys:
-            value = env.get(f"{ENV_PREFIX}{section}_{key}".upper())
+            name = f"{ENV_PREFIX}{section}_{key}".upper()
+            known.add(name)
+            value = env.get(name)
             if value is not None:
                 table = raw.setdefault(section, {})
                 if isinstance(table, dict):
                     table[key] = value
+    return [f"{name}: unknown environment setting (known: TF_REGISTRY_PROXY_<TABLE>_<KEY> "
+            "for the scalar keys of config.example.toml)"
+            for name in sorted(env) if name.startswith(ENV_PREFIX) and name not in known]
 
 
 class _Parser:
     """Walks the raw TOML, collecting every problem before failing."""
 
-    def __init__(self, raw: dict[str, Any]) -> None:
+    def __init__(self, raw: dict[str, Any], problems: list[str]) -> None:
         self.raw = raw
-        self.problems: list[str] = []
+        self.problems = list(problems)
 
     def config(self) -> Config:
         self._unknown(self.raw, "", ("server", "cache", "upstream", "modules"))
@@ -205,19 +215,30 @@ class _Parser:
         if listen is not None:
             parsed = _parse_listen(listen)
             if parsed is None:
-                self.problems.append(f"server.listen: expected \"host:port\", got {listen!r}")
+                self.problems.append(f"server.listen: expected \"host:port\" with a port "
+                                     f"from 1 to 65535, got {listen!r}")
             else:
                 host, port = parsed
         cert = self._path("server.tls_cert", table, "tls_cert")
         key = self._path("server.tls_key", table, "tls_key")
         if (cert is None) != (key is None):
             self.problems.append("server.tls_cert and server.tls_key: set both or neither")
+        for name, path in (("server.tls_cert", cert), ("server.tls_key", key)):
+            if path is not None and not path.is_file():
+                self.problems.append(f"{name}: no such file {str(path)!r}")
         public_url = self._str("server.public_url", table, "public_url")
         if public_url:
-            parts = urlsplit(public_url)
-            if parts.scheme != "https" or not parts.hostname or parts.query or parts.fragment:
-                self.problems.append(
-                    f"server.public_url: expected an https URL without query, got {public_url!r}")
+            try:
+                parts = urlsplit(public_url)
+                valid = parts.scheme == "https" and bool(parts.hostname) and parts.port != 0
+            except ValueError:
+                valid = False
+            if not valid or parts.query or parts.fragment:
+                self.problems.append(f"server.public_url: expected an https URL such as "
+                                     f"\"https://mirror.example:8443/\", got {public_url!r}")
+            elif parts.path not in ("", "/"):
+                self.problems.append("server.public_url: a path prefix is not supported; serve "
+                                     "the proxy at the root of its URL")
         level = (self._str("server.log_level", table, "log_level") or defaults.log_level).lower()
         if level not in ("debug", "info", "warning", "error"):
             self.problems.append(
@@ -230,8 +251,15 @@ class _Parser:
                                            *_ENV_KEYS["upstream"][1:]))
         defaults = UpstreamConfig()
         ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
-        if ca_bundle is not None and not ca_bundle.is_file():
-            self.problems.append(f"upstream.ca_bundle: no such file {str(ca_bundle)!r}")
+        if ca_bundle is not None:
+            if not ca_bundle.is_file():
+                self.problems.append(f"upstream.ca_bundle: no such file {str(ca_bundle)!r}")
+            else:
+                try:
+                    ssl.create_default_context().load_verify_locations(cafile=str(ca_bundle))
+                except (ssl.SSLError, OSError) as exc:
+                    self.problems.append(f"upstream.ca_bundle: {str(ca_bundle)!r} holds no "
+                                         f"usable PEM CA certificate ({exc})")
         allowed = defaults.allowed_hosts
         raw_allowed = table.get("allowed_hosts")
         if raw_allowed is not None:
@@ -322,7 +350,7 @@ class _Parser:
         except (TypeError, ValueError):
             self.problems.append(f"{where}: expected a number of seconds, got {value!r}")
             return default
-        if isinstance(value, bool) or number <= 0:
+        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
             self.problems.append(f"{where}: expected a positive number, got {value!r}")
             return default
         return number

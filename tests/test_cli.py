@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -39,6 +41,8 @@ def test_client_config_prints_mirror_and_module_host_blocks(tmp_path: Path) -> N
 
 def test_client_config_uses_public_url(tmp_path: Path) -> None:
     config_file = tmp_path / "c.toml"
+    (tmp_path / "c.pem").write_text("")
+    (tmp_path / "k.pem").write_text("")
     config_file.write_text('[server]\npublic_url = "https://mirror.corp.example"\n'
                            f'tls_cert = "{tmp_path}/c.pem"\ntls_key = "{tmp_path}/k.pem"\n')
     text = render_client_config(load_config(config_file, environ={}), None)
@@ -83,7 +87,6 @@ def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> 
             except (OSError, ssl.SSLError):
                 if process.poll() is not None:
                     break
-                import time
                 time.sleep(0.1)
         assert status == 200
     finally:
@@ -125,3 +128,48 @@ def test_console_script_and_module_agree(module_args: list[str]) -> None:
     b = subprocess.run([sys.executable, *module_args, "--version"], capture_output=True,
                        text=True)
     assert a.stdout == b.stdout and a.returncode == b.returncode == 0
+
+
+def test_serve_reports_a_port_in_use_clearly(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli("serve", env={"XDG_CACHE_HOME": str(tmp_path),
+                                       "TF_REGISTRY_PROXY_SERVER_LISTEN": f"127.0.0.1:{port}"})
+    assert result.returncode == 2
+    assert f"server.listen: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "network mirror at" not in result.stderr  # nothing claims to serve
+
+
+def test_serve_reports_an_unusable_certificate(tmp_path: Path) -> None:
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    (tmp_path / "key.pem").write_text("not a key")
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'[server]\ntls_cert = "{tmp_path}/cert.pem"\n'
+                           f'tls_key = "{tmp_path}/key.pem"\n[cache]\ndir = "{tmp_path}/c"\n')
+    result = run_cli("serve", "--config", str(config_file))
+    assert result.returncode == 2
+    assert "cannot load the serving certificate (server.tls_cert" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_healthcheck(tmp_path: Path) -> None:
+    port = free_port()
+    env = {"XDG_CACHE_HOME": str(tmp_path), "TF_REGISTRY_PROXY_SERVER_LISTEN": f"[::]:{port}"}
+    assert run_cli("healthcheck", env=env).returncode == 1  # nothing runs yet
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-m", "proxy", "serve"], env={**base, **env},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while run_cli("healthcheck", env=env).returncode != 0:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        # "[::]" listens on IPv4 too.
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

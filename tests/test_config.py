@@ -25,9 +25,11 @@ def test_no_file_means_defaults() -> None:
     assert config.upstream.hosts == {}
 
 
-def test_full_file(tmp_path: Path) -> None:
+def test_full_file(tmp_path: Path, upstream_ca_file: Path) -> None:
     ca = tmp_path / "ca.pem"
-    ca.write_text("x")
+    ca.write_bytes(upstream_ca_file.read_bytes())
+    (tmp_path / "c.pem").write_text("")
+    (tmp_path / "k.pem").write_text("")
     config = load_config(write(tmp_path, f"""
 [server]
 listen = "0.0.0.0:9443"
@@ -77,9 +79,10 @@ services = { "providers.v1" = "http://x.example/", "login.v1" = "https://x.examp
     for key in ("server.listen", "server.tls_cert and server.tls_key", "server.public_url",
                 "server.colour: unknown key", "upstream.ca_bundle", "upstream.allowed_hosts",
                 "upstream.versions_ttl", "upstream.max_archive_size",
-                "services.providers.v1: expected an https URL", "unknown service 'login.v1'"):
+                "services.providers.v1: expected an https URL", "unknown service 'login.v1'",
+                "server.tls_cert: no such file"):
         assert key in problems, key
-    assert len(caught.value.problems) == 10
+    assert len(caught.value.problems) == 11
 
 
 def test_invalid_toml_is_one_clear_problem(tmp_path: Path) -> None:
@@ -125,3 +128,28 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "connect_timeout", "metadata_timeout", "download_timeout",
                 "max_archive_size", "services", "default_host", "git_timeout"):
         assert f"{key} =" in text, key
+
+
+def test_more_problems_users_make(tmp_path: Path) -> None:
+    not_pem = tmp_path / "hostname"
+    not_pem.write_text("myhost\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, f"""
+[server]
+listen = "127.0.0.1:99999"
+public_url = "https://mirror.example/tf/"
+[upstream]
+ca_bundle = "{not_pem}"
+versions_ttl = nan
+connect_timeout = inf
+[modules]
+default_host = "elsewhere.example"
+"""), environ={"TF_REGISTRY_PROXY_SERVER_LISTENN": "x"})
+    problems = "\n".join(caught.value.problems)
+    for expected in ("server.listen: expected \"host:port\" with a port from 1 to 65535",
+                     "server.public_url: a path prefix is not supported",
+                     "upstream.ca_bundle:", "no usable PEM CA certificate",
+                     "upstream.versions_ttl", "upstream.connect_timeout",
+                     "modules.default_host: elsewhere.example is not an allowed upstream host",
+                     "TF_REGISTRY_PROXY_SERVER_LISTENN: unknown environment setting"):
+        assert expected in problems, expected

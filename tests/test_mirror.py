@@ -220,10 +220,21 @@ async def test_stale_versions_are_served_when_upstream_fails(
     assert (await client.get(f"{BASE}/index.json")).status == 200
     await asyncio.sleep(0.01)
     registry.faults.add("down")
+    # Expired: answered from the old copy at once, refreshed in the background (which fails).
     response = await client.get(f"{BASE}/index.json")
     assert response.status == 200
     assert "3.2.1" in (await response.json())["versions"]
+    for _ in range(100):
+        if registry.paths().count("/v1/providers/hashicorp/null/versions") == 2:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    # Upstream failed: the old copy is served (and counted) without asking upstream again.
+    assert (await client.get(f"{BASE}/index.json")).status == 200
+    assert registry.paths().count("/v1/providers/hashicorp/null/versions") == 2
     metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_cache_lookups_total", kind="versions",
+                  result="revalidate") == 1
     assert metric(metrics, "tfproxy_cache_lookups_total", kind="versions", result="stale") == 1
 
 
