@@ -19,15 +19,17 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/tf-registry-pr
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels
 COPY config.example.toml /etc/tf-registry-proxy/config.example.toml
-ENV TF_REGISTRY_PROXY_SERVER_LISTEN=0.0.0.0:8443 \
-    TF_REGISTRY_PROXY_CACHE_DIR=/var/cache/tf-registry-proxy \
+# The image's defaults live in a config file, not in environment overrides, so that a config
+# mounted over /etc/tf-registry-proxy/config.toml is obeyed as written.
+RUN printf '[server]\nlisten = "[::]:8443"\n\n[cache]\ndir = "/var/cache/tf-registry-proxy"\n' \
+        > /etc/tf-registry-proxy/config.toml
+ENV TF_REGISTRY_PROXY_CONFIG=/etc/tf-registry-proxy/config.toml \
     PYTHONUNBUFFERED=1
 USER tfproxy
 VOLUME ["/var/cache/tf-registry-proxy"]
 EXPOSE 8443
-# Liveness over loopback only: the certificate may be the operator's own, whose CA this image
-# does not know, so this one local probe skips verification (upstream TLS is always verified).
-HEALTHCHECK --interval=30s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import ssl, urllib.request; urllib.request.urlopen('https://127.0.0.1:8443/healthz', context=ssl._create_unverified_context(), timeout=4)"]
+# Liveness: /healthz on the port the config names (over loopback).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \
+    CMD ["tf-registry-proxy", "healthcheck"]
 ENTRYPOINT ["tf-registry-proxy"]
 CMD ["serve"]

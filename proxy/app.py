@@ -31,6 +31,7 @@ def create_app(config: Config) -> web.Application:
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
     add_routes(app)
+    app.on_response_prepare.append(_server_header)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         cache_dir = config.cache.dir
@@ -59,3 +60,8 @@ def create_app(config: Config) -> web.Application:
 
     app.cleanup_ctx.append(resources)
     return app
+
+
+async def _server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    # No library or Python versions in answers.
+    response.headers["Server"] = "tf-registry-proxy"

@@ -20,8 +20,15 @@ def render_client_config(config: Config, ca_file: Path | None) -> str:
     ]
     if ca_file is not None:
         lines += [
-            "# The proxy's certificate comes from its own CA; make clients trust it:",
-            f"#   export SSL_CERT_FILE={ca_file}",
+            "# The proxy's certificate comes from its own CA (created by the first `serve`);",
+            "# make clients trust it, e.g. append it to a copy of the system bundle:",
+            f"#   cat /etc/ssl/certs/ca-certificates.crt {ca_file} > ~/tfproxy-ca.pem",
+            "#   export SSL_CERT_FILE=~/tfproxy-ca.pem",
+        ]
+    if config.server.public_url is None and config.server.host in ("0.0.0.0", "::", ""):
+        lines += [
+            "# WARNING: the proxy listens on every interface but server.public_url is not set,",
+            "# so this file names it 'localhost': set public_url for other machines.",
         ]
     lines += [
         "",

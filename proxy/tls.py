@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import logging
 import os
 import socket
 import ssl
@@ -20,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from proxy.config import ServerConfig
 
+log = logging.getLogger(__name__)
 _CA_DAYS = 3650
 _SERVER_DAYS = 825
 
@@ -51,12 +53,20 @@ def ensure_certificate(server: ServerConfig, cache_dir: Path) -> ServingCertific
         return ServingCertificate(server.tls_cert, server.tls_key, None)
     tls_dir = cache_dir / "tls"
     tls_dir.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = tls_dir / "ca.pem", tls_dir / "ca-key.pem"
+    ca_cert, ca_key, ca_names_file = tls_dir / "ca.pem", tls_dir / "ca-key.pem", \
+        tls_dir / "ca-names.json"
     cert, key, names_file = tls_dir / "server.pem", tls_dir / "server-key.pem", \
         tls_dir / "server-names.json"
-    if not ca_cert.exists() or not ca_key.exists():
-        _write_ca(ca_cert, ca_key)
     names = server_names(server)
+    ca_names = json.loads(ca_names_file.read_text()) if ca_names_file.exists() else []
+    if not ca_cert.exists() or not ca_key.exists() or not set(names) <= set(ca_names):
+        if ca_cert.exists():
+            log.warning("the generated CA does not cover %s; creating a new one: clients must "
+                        "trust the new %s", ", ".join(sorted(set(names) - set(ca_names))),
+                        ca_cert)
+        _write_ca(ca_cert, ca_key, names)
+        ca_names_file.write_text(json.dumps(names))
+        names_file.unlink(missing_ok=True)
     current = json.loads(names_file.read_text()) if names_file.exists() else None
     if current != names or not cert.exists() or not key.exists() or _expires_soon(cert):
         _write_server(ca_cert, ca_key, cert, key, names)
@@ -89,8 +99,27 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def _write_ca(cert_path: Path, key_path: Path) -> None:
+def _general_names(names: list[str]) -> list[x509.GeneralName]:
+    general: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            general.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            general.append(x509.DNSName(name))
+    return general
+
+
+def _write_ca(cert_path: Path, key_path: Path, names: list[str]) -> None:
+    """A CA that can only vouch for this proxy's own names (RFC 5280 name constraints): a
+    machine that trusts it trusts nothing else, even if the CA key leaks from the cache."""
     key = ec.generate_private_key(ec.SECP256R1())
+    permitted: list[x509.GeneralName] = []
+    for name in _general_names(names):
+        if isinstance(name, x509.IPAddress):
+            address = name.value
+            permitted.append(x509.IPAddress(ipaddress.ip_network(address)))
+        else:
+            permitted.append(name)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
                                          f"tf-registry-proxy local CA ({socket.gethostname()})")])
     cert = (
@@ -106,6 +135,8 @@ def _write_ca(cert_path: Path, key_path: Path) -> None:
                                      encipher_only=False, decipher_only=False), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
                        critical=False)
+        .add_extension(x509.NameConstraints(permitted_subtrees=permitted,
+                                            excluded_subtrees=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     _write_private(key_path, _key_pem(key))
@@ -119,20 +150,15 @@ def _write_server(ca_cert_path: Path, ca_key_path: Path, cert_path: Path, key_pa
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{ca_key_path} is not the EC key this proxy generated")
     key = ec.generate_private_key(ec.SECP256R1())
-    alt_names: list[x509.GeneralName] = []
-    for name in names:
-        try:
-            alt_names.append(x509.IPAddress(ipaddress.ip_address(name)))
-        except ValueError:
-            alt_names.append(x509.DNSName(name))
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                    "tf-registry-proxy")]))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(_now() - datetime.timedelta(hours=1))
         .not_valid_after(_now() + datetime.timedelta(days=_SERVER_DAYS))
-        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_general_names(names)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),

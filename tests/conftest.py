@@ -13,7 +13,7 @@ import trustme
 from proxy.config import Config, load_config
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.git_repos import publish_repo
-from tests.support.gpg import GpgKey, generate_key
+from tests.support.gpg import GpgKey, generate_key, stop_agent
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +29,17 @@ def upstream_ca_file(upstream_ca: trustme.CA, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="session")
-def signer(tmp_path_factory: pytest.TempPathFactory) -> GpgKey:
-    return generate_key(tmp_path_factory.mktemp("gpg") / "signer", "Release Signer")
+def signer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpgKey]:
+    key = generate_key(tmp_path_factory.mktemp("gpg") / "signer", "Release Signer")
+    yield key
+    stop_agent(key)
 
 
 @pytest.fixture(scope="session")
-def impostor(tmp_path_factory: pytest.TempPathFactory) -> GpgKey:
-    return generate_key(tmp_path_factory.mktemp("gpg") / "impostor", "Impostor")
+def impostor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpgKey]:
+    key = generate_key(tmp_path_factory.mktemp("gpg") / "impostor", "Impostor")
+    yield key
+    stop_agent(key)
 
 
 @pytest.fixture(scope="session")

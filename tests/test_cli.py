@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.client_config import render_client_config
 from proxy.config import load_config
@@ -33,7 +34,8 @@ def test_client_config_prints_mirror_and_module_host_blocks(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert 'url = "https://127.0.0.1:8443/mirror/"' in result.stdout
     assert "provider_installation {" in result.stdout
-    assert f"SSL_CERT_FILE={tmp_path}/tf-registry-proxy/tls/ca.pem" in result.stdout
+    assert f" {tmp_path}/tf-registry-proxy/tls/ca.pem > " in result.stdout
+    assert "WARNING" not in result.stdout
     for host in ("registry.terraform.io", "registry.opentofu.org"):
         assert (f'host "{host}" {{\n  services = {{\n    "modules.v1" = '
                 f'"https://127.0.0.1:8443/modules/{host}/"') in result.stdout
@@ -48,6 +50,13 @@ def test_client_config_uses_public_url(tmp_path: Path) -> None:
     text = render_client_config(load_config(config_file, environ={}), None)
     assert 'url = "https://mirror.corp.example/mirror/"' in text
     assert "SSL_CERT_FILE" not in text
+
+
+def test_client_config_warns_about_wildcard_listen_without_public_url() -> None:
+    config = load_config(None, environ={"TF_REGISTRY_PROXY_SERVER_LISTEN": "0.0.0.0:8443"})
+    text = render_client_config(config, None)
+    assert "WARNING" in text and "public_url" in text
+    assert 'url = "https://localhost:8443/mirror/"' in text
 
 
 def test_bad_config_is_one_clear_message_and_exit_2(tmp_path: Path) -> None:
@@ -113,10 +122,55 @@ def test_generated_certificate_covers_names_and_is_reused(tmp_path: Path) -> Non
     again = ensure_certificate(config.server, tmp_path)
     assert again.cert.read_bytes() == cert_bytes  # unchanged names: nothing regenerated
 
+    # The CA may vouch only for the proxy's names (name constraints), so a new name means a
+    # new CA, while dropping a name keeps it (clients keep trusting).
+    ca = x509.load_pem_x509_certificate(ca_bytes)
+    constraints = ca.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical
+    permitted = constraints.value.permitted_subtrees or []
+    assert x509.DNSName("mirror.corp.example") in permitted
+    assert not any(isinstance(n, x509.DNSName) and n.value == "example.com" for n in permitted)
+
+    config_file.write_text('[server]\nlisten = "127.0.0.1:8443"\n')
+    fewer = ensure_certificate(load_config(config_file, environ={}).server, tmp_path)
+    assert fewer.ca is not None and fewer.ca.read_bytes() == ca_bytes
+    assert fewer.cert.read_bytes() != cert_bytes
+
     config_file.write_text('[server]\npublic_url = "https://other.example/"\n')
     moved = ensure_certificate(load_config(config_file, environ={}).server, tmp_path)
-    assert moved.ca is not None and moved.ca.read_bytes() == ca_bytes  # clients keep trusting
-    assert moved.cert.read_bytes() != cert_bytes
+    assert moved.ca is not None and moved.ca.read_bytes() != ca_bytes
+
+
+def test_generated_ca_cannot_vouch_for_other_names(tmp_path: Path) -> None:
+    """A certificate for a foreign name, signed with the generated CA's key, is refused."""
+    generated = ensure_certificate(load_config(None, environ={}).server, tmp_path)
+    assert generated.ca is not None
+    ca = x509.load_pem_x509_certificate(generated.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key((tmp_path / "tls/ca-key.pem").read_bytes(), None)
+    legit = x509.load_pem_x509_certificate(generated.cert.read_bytes())
+
+    def signed(name: str) -> x509.Certificate:
+        """The legit certificate's exact shape, for another name."""
+        builder = (x509.CertificateBuilder().subject_name(legit.subject)
+                   .issuer_name(ca.subject).public_key(legit.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(legit.not_valid_before_utc)
+                   .not_valid_after(legit.not_valid_after_utc))
+        for extension in legit.extensions:
+            value = extension.value
+            if isinstance(value, x509.SubjectAlternativeName):
+                value = x509.SubjectAlternativeName([x509.DNSName(name)])
+            builder = builder.add_extension(value, extension.critical)
+        return builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+
+    def verify(cert: x509.Certificate, name: str) -> None:
+        x509.verification.PolicyBuilder().store(x509.verification.Store([ca])) \
+            .build_server_verifier(x509.DNSName(name)).verify(cert, [])
+
+    verify(legit, "localhost")
+    verify(signed("localhost"), "localhost")  # the forging method itself is sound
+    with pytest.raises(x509.verification.VerificationError):
+        verify(signed("bank.example"), "bank.example")
 
 
 @pytest.mark.parametrize("module_args", [["-m", "proxy"]])

@@ -41,7 +41,7 @@ def client_setup(tmp_path: Path, proxy: ProxyProcess, name: str,
     """A fresh working directory and environment using the printed client config."""
     printed = proxy.cli("client-config")
     assert printed.returncode == 0, printed.stderr
-    assert str(proxy.ca_file) in printed.stdout
+    assert f" {proxy.ca_file} > " in printed.stdout
     cli_config = tmp_path / f"{name}.tfrc"
     cli_config.write_text(printed.stdout)
     workdir = tmp_path / name

@@ -258,6 +258,7 @@ async def test_cache_survives_restart_and_serves_without_upstream(
 async def test_healthz_and_metrics(client: TestClient) -> None:
     response = await client.get("/healthz")
     assert response.status == 200
+    assert response.headers["Server"] == "tf-registry-proxy"
     assert await response.json() == {"status": "ok"}
     await client.get(f"{BASE}/index.json")
     text = await (await client.get("/metrics")).text()

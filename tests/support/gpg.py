@@ -45,3 +45,9 @@ def generate_key(home: Path, name: str) -> GpgKey:
     armored = subprocess.run(["gpg", "--batch", "--armor", "--export", fingerprint],
                              capture_output=True, env=env, check=True, text=True).stdout
     return GpgKey(home, fingerprint, armored)
+
+
+def stop_agent(key: GpgKey) -> None:
+    """Stop the gpg-agent that signing started for this key's home."""
+    subprocess.run(["gpgconf", "--kill", "gpg-agent"], env=_env(key.home),
+                   capture_output=True, timeout=30, check=False)
