@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from proxy.errors import ProxyError, UpstreamError
 from proxy.models import Platform
 from proxy.registry_documents import parse_download, parse_sha256sums, parse_versions
+from proxy.upstream.discovery import parse_discovery
 
 LINUX = Platform("linux", "amd64")
 FINAL = "https://registry.example/v1/providers/hashicorp/null/1.0.0/download/linux/amd64"
@@ -85,22 +87,57 @@ json_values = st.recursive(
     max_leaves=20)
 
 
-@given(json_values)
-def test_hostile_versions_documents_never_crash(doc: object) -> None:
+url_like = st.one_of(
+    st.text(alphabet="htps:/[]%.@x1?#\\ ", max_size=30),
+    st.sampled_from(["//[x", "https://[", "http://a/b", "https://a/b", "/rel", "../up", "",
+                     "https://user@host/x", "javascript:alert(1)", "https://a:99999/"]))
+versions = st.one_of(st.text(max_size=12), st.sampled_from(["1.0.0", "v1.0.0", "1.0"]),
+                     json_values)
+platforms = st.lists(st.one_of(
+    st.fixed_dictionaries({"os": st.text(max_size=8), "arch": st.text(max_size=8)}),
+    json_values), max_size=4)
+
+
+@given(st.lists(st.one_of(
+    st.fixed_dictionaries({"version": versions, "platforms": platforms,
+                           "protocols": st.one_of(json_values, st.lists(st.text(max_size=4)))}),
+    json_values), max_size=6))
+def test_hostile_versions_documents_never_crash(items: list[object]) -> None:
     try:
-        entries = parse_versions(doc)
+        entries = parse_versions({"versions": items})
     except ProxyError:
         return
-    assert all(isinstance(e.version, str) for e in entries)
+    for entry in entries:
+        assert isinstance(entry.version, str) and "/" not in entry.version
+        assert all(p.os.isalnum() and p.arch.isalnum() for p in entry.platforms)
 
 
-@given(st.dictionaries(st.sampled_from(["os", "arch", "filename", "shasum", "download_url",
-                                        "shasums_url", "shasums_signature_url",
-                                        "signing_keys"]), json_values))
+@given(st.fixed_dictionaries({}, optional={
+    "filename": st.one_of(json_values, st.text(max_size=20)),
+    "shasum": st.one_of(json_values, st.just(SHA), st.text(alphabet="0123456789abcdef",
+                                                           min_size=63, max_size=65)),
+    "download_url": url_like, "shasums_url": url_like, "shasums_signature_url": url_like,
+    "signing_keys": json_values,
+}))
 def test_hostile_download_documents_never_crash(changes: dict[str, Any]) -> None:
     try:
         info = parse_download(download_doc(**changes), FINAL, LINUX)
     except ProxyError:
         return
-    assert info.download_url.startswith("https://")
-    assert "/" not in info.filename
+    for url in (info.download_url, info.shasums_url, info.shasums_signature_url):
+        assert url.startswith("https://")
+    assert "/" not in info.filename and ".." != info.filename
+
+
+@given(st.binary(max_size=200), st.sampled_from(["application/json", "text/html", ""]))
+def test_hostile_discovery_bodies_never_crash(body: bytes, content_type: str) -> None:
+    services = parse_discovery(body, content_type, FINAL)
+    assert services is None or all(u.startswith("https://") for u in services.values())
+
+
+@given(st.dictionaries(st.sampled_from(["providers.v1", "modules.v1", "login.v1"]),
+                       st.one_of(url_like, json_values)))
+def test_hostile_discovery_documents_never_crash(document: dict[str, object]) -> None:
+    services = parse_discovery(json.dumps(document).encode(), "application/json", FINAL)
+    assert services is not None
+    assert all(u.startswith("https://") and u.endswith("/") for u in services.values())

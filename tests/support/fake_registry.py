@@ -8,6 +8,7 @@ the provider registry protocol and file downloads; a log of every request; and f
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import io
 import ssl
@@ -86,6 +87,7 @@ class FakeRegistry:
         self.faults: set[str] = set()
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
+        self.url_token = 0
         self.module_archives: dict[str, bytes] = {}
         self.git_root = Path(tempfile.mkdtemp(prefix="fake-git-"))
         self.port = 0
@@ -190,7 +192,17 @@ class FakeRegistry:
         self.requests.append((request.method, request.path))
         if "down" in self.faults:
             return web.Response(status=503, text="upstream is down")
-        return await handler(request)  # type: ignore[operator]
+        if "stall" in self.faults:
+            await asyncio.sleep(5)
+        response: web.StreamResponse = await handler(request)  # type: ignore[operator]
+        if "gzip" in self.faults and isinstance(response, web.Response) and response.body:
+            # A hostile or broken CDN: compresses whatever the client asked for.
+            body = gzip.compress(bytes(response.body))  # type: ignore[arg-type]
+            compressed = web.Response(body=body, status=response.status,
+                                      content_type=response.content_type)
+            compressed.headers["Content-Encoding"] = "gzip"
+            return compressed
+        return response
 
     async def _discovery(self, request: web.Request) -> web.Response:
         if "no-discovery" in self.faults:
@@ -230,6 +242,18 @@ class FakeRegistry:
 
     async def _versions(self, request: web.Request) -> web.Response:
         ns, type_ = request.match_info["ns"], request.match_info["type"]
+        if "redirectloop" in self.faults:
+            raise web.HTTPFound(request.path)
+        if "httpredirect" in self.faults:
+            raise web.HTTPFound(f"http://127.0.0.1:{self.port}{request.path}")
+        if "badredirect" in self.faults:
+            return web.Response(status=302, headers={"Location": "https://["})
+        if "deepjson" in self.faults:
+            return web.Response(text="[" * 100_000 + "]" * 100_000,
+                                content_type="application/json")
+        if "hugejson" in self.faults:
+            return web.Response(text='{"versions": []}' + " " * (2 << 20),
+                                content_type="application/json")
         versions: list[object] = [
             {"version": r.version, "protocols": ["5.0"],
              "platforms": [dict(zip(("os", "arch"), p.split("_"), strict=True))
@@ -253,12 +277,19 @@ class FakeRegistry:
             "ascii_armor": self.signer.armored_public_key,
             "trust_signature": "", "source": "Test", "source_url": None}]
         shasum = release.sha256(platform)
-        if "wrongshasum" in self.faults:
+        if "wrongshasum" in self.faults or f"wrongshasum:{platform}" in self.faults:
             shasum = hashlib.sha256(b"something else").hexdigest()
+        download_url = files + release.filename(platform)
+        if "expiring" in self.faults:
+            # Short-lived signed URLs: only the newest one handed out works.
+            self.url_token += 1
+            download_url += f"?token={self.url_token}"
+        if "badurl" in self.faults:
+            download_url = "//[x"
         return web.json_response({
             "protocols": ["5.0"], "os": info["os"], "arch": info["arch"],
             "filename": release.filename(platform),
-            "download_url": files + release.filename(platform),
+            "download_url": download_url,
             "shasums_url": files + release.sums_name,
             "shasums_signature_url": files + release.sums_name + ".sig",
             "shasum": shasum,
@@ -278,8 +309,24 @@ class FakeRegistry:
             return web.Response(body=body, content_type="application/octet-stream")
         for platform in release.platforms:
             if name == release.filename(platform):
+                if "expiring" in self.faults and \
+                        request.query.get("token") != str(self.url_token):
+                    raise web.HTTPForbidden(text="signature expired")
                 body = release.zips[platform]
                 if "corrupt" in self.faults:
                     body = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
+                if "slowzip" in self.faults:
+                    return await self._trickle(request, body)
                 return web.Response(body=body, content_type="application/zip")
         raise web.HTTPNotFound()
+
+    async def _trickle(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """Send a body slowly, in small pieces (a slow upstream mid-download)."""
+        response = web.StreamResponse(headers={"Content-Type": "application/zip"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        for offset in range(0, len(body), 32):
+            await response.write(body[offset:offset + 32])
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+        return response

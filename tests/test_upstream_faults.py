@@ -1,0 +1,191 @@
+"""A hostile, broken, slow or changing upstream: clear errors, nothing wrong cached."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient
+
+import proxy.freshness
+from proxy.app import create_app
+from proxy.config import Config, load_config
+from tests.support.fake_registry import FakeRegistry
+from tests.test_mirror import BASE, ZIP, metric
+
+Make = Callable[..., Awaitable[TestClient]]
+
+
+@pytest.fixture
+def make(aiohttp_client, write_config: Callable[..., Path]) -> Make:  # type: ignore[no-untyped-def]
+    """A client for an app with extra config lines and environment overrides."""
+
+    async def build(extra: str = "", **env: str) -> TestClient:
+        environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
+        config = load_config(write_config(extra=extra), environ=environ)
+        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
+
+    return build
+
+
+async def error_of(response: aiohttp.ClientResponse) -> str:
+    assert response.content_type == "application/json"
+    return str((await response.json())["errors"][0])
+
+
+async def test_compressed_answers_are_refused_not_blamed_on_signatures(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    registry.faults.add("gzip")
+    for path in (f"{BASE}/index.json", f"{BASE}/3.2.1.json"):
+        response = await client.get(path)
+        assert response.status == 502
+        assert "content coding 'gzip'" in await error_of(response)
+    text = await (await client.get("/metrics")).text()
+    assert "tfproxy_integrity_failures_total{" not in text
+    assert all(("GET", p) in registry.requests for p in ["/v1/providers/hashicorp/null/versions"])
+
+
+async def test_stalled_upstream_is_a_504(make: Make, registry: FakeRegistry) -> None:
+    client = await make(upstream_metadata_timeout="0.5")
+    registry.faults.add("stall")
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 504
+    assert "did not answer in time" in await error_of(response)
+
+
+async def test_expired_list_is_answered_without_waiting_for_a_stalled_upstream(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make(upstream_versions_ttl="0.001", upstream_metadata_timeout="30")
+    assert (await client.get(f"{BASE}/index.json")).status == 200
+    await asyncio.sleep(0.01)
+    registry.faults.add("stall")
+    # Upstream would hold us 5 s (and our timeout is 30 s): the old copy answers at once.
+    response = await asyncio.wait_for(client.get(f"{BASE}/index.json"), timeout=3)
+    assert response.status == 200
+    assert "3.2.1" in (await response.json())["versions"]
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("redirectloop", "more than 5 redirects"),
+    ("httpredirect", "refusing non-https upstream URL"),
+    ("badredirect", "redirected to an invalid URL"),
+    ("deepjson", "invalid JSON"),
+    ("hugejson", "larger than 1048576 bytes"),
+])
+async def test_hostile_versions_answers(make: Make, registry: FakeRegistry, fault: str,
+                                        message: str) -> None:
+    client = await make()
+    registry.faults.add(fault)
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 502
+    assert message in await error_of(response)
+
+
+async def test_hostile_download_url(make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    registry.faults.add("badurl")
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 502
+    assert "download_url is not a valid https URL" in await error_of(response)
+
+
+async def test_short_lived_download_urls_are_fetched_fresh(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    registry.faults.add("expiring")
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # hands out 3 URLs
+    for platform in ("linux_amd64", "darwin_arm64"):
+        response = await client.get(f"{BASE}/terraform-provider-null_3.2.1_{platform}.zip")
+        assert response.status == 200, await response.text()
+        assert await response.read() == \
+            registry.releases[("hashicorp", "null", "3.2.1")].zips[platform]
+
+
+async def test_one_platform_failing_its_checksum_does_not_block_the_others(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    registry.faults.add("wrongshasum:windows_amd64")
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 200
+    assert sorted((await response.json())["archives"]) == ["darwin_arm64", "linux_amd64"]
+    windows = await client.get(f"{BASE}/terraform-provider-null_3.2.1_windows_amd64.zip")
+    assert windows.status == 502
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "tfproxy_integrity_failures_total", kind="sha256sums") >= 1
+    assert not any("windows" in p for p in registry.archive_requests())
+
+
+async def test_unlisted_platform_costs_no_upstream_request(make: Make,
+                                                           registry: FakeRegistry) -> None:
+    client = await make()
+    assert (await client.get(f"{BASE}/index.json")).status == 200
+    registry.requests.clear()
+    response = await client.get(f"{BASE}/terraform-provider-null_3.2.1_plan9_amd64.zip")
+    assert response.status == 404
+    assert "not published for plan9_amd64" in await error_of(response)
+    assert registry.requests == []
+
+
+async def test_package_over_the_size_limit_is_refused(make: Make, registry: FakeRegistry,
+                                                      proxy_config: Config) -> None:
+    client = await make(upstream_max_archive_size="200B")
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 502
+    assert "200-byte limit" in await error_of(response)
+    assert not list(proxy_config.cache.dir.rglob("*.zip"))
+
+
+async def test_opentofu_registry_may_publish_without_keys(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make(extra=f"""
+[upstream.hosts."registry.opentofu.org".services]
+"providers.v1" = "{registry.providers_url}"
+""")
+    registry.faults.add("nokeys")
+    base = "/mirror/registry.opentofu.org/hashicorp/null"
+    assert (await client.get(f"{base}/3.2.1.json")).status == 200
+    assert (await client.get(f"{base}/{ZIP}")).status == 200
+    # ...but no other host may.
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 502
+
+
+async def test_unknown_version_forces_a_refresh(make: Make, registry: FakeRegistry,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy.freshness, "UNKNOWN_ENTRY_REFRESH_SECONDS", 0.0)
+    client = await make()
+    assert "3.3.0" not in (await (await client.get(f"{BASE}/index.json")).json())["versions"]
+    registry.add_release("hashicorp", "null", "3.3.0")
+    try:
+        response = await client.get(f"{BASE}/3.3.0.json")
+        assert response.status == 200
+        assert "3.3.0" in (await (await client.get(f"{BASE}/index.json")).json())["versions"]
+    finally:
+        del registry.releases[("hashicorp", "null", "3.3.0")]
+
+
+async def test_client_leaving_mid_fill_does_not_cancel_it(make: Make,
+                                                          registry: FakeRegistry) -> None:
+    client = await make()
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
+    registry.faults.add("slowzip")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(client.get(f"{BASE}/{ZIP}"), timeout=0.1)
+    response = await client.get(f"{BASE}/{ZIP}")  # joins the fill still under way
+    assert response.status == 200
+    assert await response.read() == registry.releases[("hashicorp", "null", "3.2.1")].zips[
+        "linux_amd64"]
+    assert len(registry.archive_requests()) == 1
+
+
+async def test_leftovers_are_swept_at_start(make: Make, proxy_config: Config) -> None:
+    tmp = proxy_config.cache.dir / "tmp"
+    (tmp / "work-x").mkdir(parents=True)
+    (tmp / "work-x" / "half.tf").write_text("x")
+    (tmp / "abc.part").write_bytes(b"half a zip")
+    client = await make()
+    assert (await client.get("/healthz")).status == 200
+    assert list(tmp.iterdir()) == []
