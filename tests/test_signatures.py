@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from proxy.errors import IntegrityError
 from proxy.signatures import verify_detached
-from tests.support.gpg import GpgKey
+from tests.support.gpg import GpgKey, generate_key, stop_agent
 
 DATA = b"0123  terraform-provider-x_1.0.0_linux_amd64.zip\n"
 
@@ -41,3 +43,14 @@ def test_garbage_key_and_signature(signer: GpgKey) -> None:
         verify_detached(DATA, signer.detach_sign(DATA), ["not a key"])
     with pytest.raises(IntegrityError, match="not an OpenPGP signature"):
         verify_detached(DATA, b"garbage", [signer.armored_public_key])
+
+
+def test_key_expired_since_signing_is_accepted(tmp_path: Path) -> None:
+    """Release keys expire; signatures made while they were valid stay good (as clients
+    accept them)."""
+    old = generate_key(tmp_path / "old", "Old Signer", at="20200101T000000", expire="1y")
+    try:
+        signature = old.detach_sign(DATA, at="20200601T000000")
+        assert verify_detached(DATA, signature, [old.armored_public_key])
+    finally:
+        stop_agent(old)

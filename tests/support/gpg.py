@@ -16,10 +16,12 @@ class GpgKey:
     fingerprint: str
     armored_public_key: str
 
-    def detach_sign(self, data: bytes) -> bytes:
-        """A binary detached signature over data (what registries publish as `.sig`)."""
+    def detach_sign(self, data: bytes, at: str | None = None) -> bytes:
+        """A binary detached signature over data (what registries publish as `.sig`),
+        made at the faked time `at` (gpg's YYYYMMDDTHHMMSS) if given."""
         result = subprocess.run(
             ["gpg", "--batch", "--yes", "--pinentry-mode", "loopback", "--passphrase", "",
+             *_faked(at),
              "--local-user", self.fingerprint, "--detach-sign", "--output", "-"],
             input=data, capture_output=True, env=_env(self.home), check=True, timeout=60)
         return result.stdout
@@ -29,14 +31,20 @@ def _env(home: Path) -> dict[str, str]:
     return {"GNUPGHOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
 
 
-def generate_key(home: Path, name: str) -> GpgKey:
-    """An RSA signing key, as `gpg --quick-gen-key` makes it."""
+def _faked(at: str | None) -> list[str]:
+    return ["--faked-system-time", at] if at else []
+
+
+def generate_key(home: Path, name: str, at: str | None = None,
+                 expire: str = "never") -> GpgKey:
+    """An RSA signing key, as `gpg --quick-gen-key` makes it (created at the faked time
+    `at` and expiring after `expire`, e.g. "1y", when given)."""
     home.mkdir(parents=True, mode=0o700, exist_ok=True)
     env = _env(home)
     subprocess.run(
-        ["gpg", "--batch", "--pinentry-mode", "loopback", "--passphrase", "",
+        ["gpg", "--batch", "--pinentry-mode", "loopback", "--passphrase", "", *_faked(at),
          "--quick-gen-key", f"{name} <{name.lower().replace(' ', '-')}@example.test>",
-         "rsa2048", "sign", "never"],
+         "rsa2048", "sign", expire],
         capture_output=True, env=env, check=True, timeout=120)
     listing = subprocess.run(["gpg", "--batch", "--with-colons", "--list-secret-keys"],
                              capture_output=True, env=env, check=True, text=True).stdout
