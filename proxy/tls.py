@@ -114,17 +114,16 @@ def _write_ca(cert_path: Path, key_path: Path, names: list[str]) -> None:
     machine that trusts it trusts nothing else, even if the CA key leaks from the cache."""
     key = ec.generate_private_key(ec.SECP256R1())
     permitted: list[x509.GeneralName] = []
-    for name in _general_names(names):
-        if isinstance(name, x509.IPAddress):
-            address = name.value
-            permitted.append(x509.IPAddress(ipaddress.ip_network(address)))
+    for general in _general_names(names):
+        if isinstance(general, x509.IPAddress):
+            permitted.append(x509.IPAddress(ipaddress.ip_network(general.value)))
         else:
-            permitted.append(name)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                         f"tf-registry-proxy local CA ({socket.gethostname()})")])
+            permitted.append(general)
+    subject = x509.Name([x509.NameAttribute(
+        NameOID.COMMON_NAME, f"tf-registry-proxy local CA ({socket.gethostname()})")])
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(_now() - datetime.timedelta(hours=1))
         .not_valid_after(_now() + datetime.timedelta(days=_CA_DAYS))
