@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -10,7 +11,14 @@ from aiohttp import web
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import Config
-from proxy.handlers import CONFIG_KEY, METRICS_KEY, MIRROR_KEY, MODULES_KEY, add_routes
+from proxy.handlers import (
+    ARCHIVES_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    MIRROR_KEY,
+    MODULES_KEY,
+    add_routes,
+)
 from proxy.metrics import Metrics
 from proxy.middleware import error_middleware
 from proxy.module_registry import ModuleRegistry
@@ -35,10 +43,16 @@ def create_app(config: Config) -> web.Application:
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         cache_dir = config.cache.dir
-        archives = ArchiveStore(cache_dir)
-        swept = archives.sweep_temp()
+        archives = ArchiveStore(cache_dir, config.cache.max_size,
+                                on_evict=lambda count, size: metrics.evictions.inc(count))
+        swept = await asyncio.to_thread(archives.sweep_temp)
         if swept:
             log.info("removed %d unfinished download(s) left by an earlier run", swept)
+        used = await asyncio.to_thread(archives.measure)
+        metrics.cache_bytes.set_function(lambda: archives.used_bytes)
+        log.info("cache holds %d bytes of packages and modules", used)
+        if config.cache.max_size is not None and used > config.cache.max_size:
+            await archives.evict()
         cache = MetadataCache(cache_dir / "index")
         session = make_session(config.upstream)
         http = UpstreamHTTP(session, config.upstream, metrics)
@@ -48,6 +62,7 @@ def create_app(config: Config) -> web.Application:
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)
+        app[ARCHIVES_KEY] = archives
         app[MIRROR_KEY] = mirror
         app[MODULES_KEY] = modules
         try:

@@ -1,6 +1,7 @@
 """Artifact file store: a file is written to a temp file under `<cache>/tmp` and renamed into
-place only once verified, so a partial or corrupt file is never visible. Work directories for
-building module archives live under `<cache>/tmp` too; all of it is swept at start-up."""
+place only once verified, so a partial or corrupt file is never visible. Readers may follow
+a download while it is written (GrowingFile). The store also keeps the cache within its size
+limit, least recently used first, never deleting a file in use."""
 
 from __future__ import annotations
 
@@ -10,19 +11,29 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 import zipfile
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiofiles
 import aiofiles.os
 
-from proxy.errors import IntegrityError
+from proxy.errors import IntegrityError, UpstreamError
 from proxy.hashes import h1_of_zip
 
 log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 20
+_AREAS = ("archives", "modules")
+# Access times are recorded on the files' mtime, at most this often per file.
+_TOUCH_INTERVAL = 60.0
+# Eviction frees down to this share of the limit, so it does not run on every fill.
+_LOW_WATER = 0.9
 
 
 @dataclass(frozen=True)
@@ -35,13 +46,95 @@ class StoredArchive:
     h1: str
 
 
+class GrowingFile:
+    """A download under way: readers follow the temp file as it grows, and learn at the end
+    whether it verified (then it was published) or not (then they must abort)."""
+
+    def __init__(self, temp: Path, size: int | None) -> None:
+        self.temp = temp
+        self.size = size
+        self.written = 0
+        self.final: Path | None = None
+        self.error: BaseException | None = None
+        self._changed = asyncio.Event()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def advance(self, count: int) -> None:
+        """More bytes are on disk."""
+        self.written += count
+        self._wake()
+
+    def complete(self, final: Path) -> None:
+        """Verified and published at final."""
+        self.final = final
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """Not verified: nothing was published."""
+        self.error = error
+        self._wake()
+
+    @property
+    def done(self) -> bool:
+        """Whether the download ended, either way."""
+        return self.final is not None or self.error is not None
+
+    async def wait_done(self) -> Path:
+        """The published file, once there; raises the fill's error."""
+        while not self.done:
+            await self._changed.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.final is not None
+        return self.final
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """Every byte of the file as it arrives; raises at the end if it did not verify. The
+        last byte is held back until the file verified, so a reader of a bad download never
+        receives a complete body."""
+        try:
+            handle = await aiofiles.open(self.temp, "rb")
+        except FileNotFoundError:
+            # Already renamed into place (or removed after a failure).
+            handle = await aiofiles.open(await self.wait_done(), "rb")
+        offset = 0
+        try:
+            while True:
+                changed = self._changed
+                if self.error is not None:
+                    raise self.error
+                readable = self.written if self.final is not None else self.written - 1
+                if offset < readable:
+                    data = await handle.read(min(_CHUNK, readable - offset))
+                    if not data:
+                        raise OSError("temp file shorter than reported")
+                    offset += len(data)
+                    yield data
+                    continue
+                if self.final is not None:
+                    return
+                await changed.wait()
+        finally:
+            await handle.close()
+
+
 class ArchiveStore:
     """Provider packages under `<cache>/archives/...`, modules under `<cache>/modules/...`."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, max_size: int | None = None,
+                 on_evict: Callable[[int, int], None] | None = None) -> None:
         self.cache_dir = cache_dir
         self.tmp = cache_dir / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self.max_size = max_size
+        self.used_bytes = 0
+        self._on_evict = on_evict
+        self._in_use: Counter[Path] = Counter()
+        self._touched: dict[Path, float] = {}
+        self._evicting = asyncio.Lock()
 
     def sweep_temp(self) -> int:
         """Delete leftovers of fills that never finished (a crash); returns how many."""
@@ -54,16 +147,29 @@ class ArchiveStore:
             removed += 1
         return removed
 
+    def measure(self) -> int:
+        """Add up the stored files (at start-up); returns the total in bytes."""
+        self.used_bytes = sum(size for _path, size, _mtime in self._files())
+        return self.used_bytes
+
+    def _files(self) -> Iterator[tuple[Path, int, float]]:
+        for area in _AREAS:
+            for directory, _dirs, files in os.walk(self.cache_dir / area):
+                for name in files:
+                    path = Path(directory) / name
+                    try:
+                        info = path.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield path, info.st_size, info.st_mtime
+
     def path_for(self, parts: Sequence[str]) -> Path:
         """Where the file named by already-validated parts lives (first part: the area,
         `archives` or `modules`)."""
-        if not parts or any(p in ("", ".", "..") or "/" in p or "\\" in p or "\0" in p
-                            for p in parts):
+        if not parts or parts[0] not in _AREAS or any(
+                p in ("", ".", "..") or "/" in p or "\\" in p or "\0" in p for p in parts):
             raise ValueError(f"unsafe artifact path {parts!r}")
-        path = self.cache_dir.joinpath(*parts)
-        if not path.resolve().is_relative_to(self.cache_dir.resolve()):
-            raise ValueError(f"unsafe artifact path {parts!r}")
-        return path
+        return self.cache_dir.joinpath(*parts)
 
     async def lookup(self, parts: Sequence[str]) -> Path | None:
         """The stored file, if present."""
@@ -78,17 +184,76 @@ class ArchiveStore:
         """A fresh, empty work directory; the caller removes it (or the next start does)."""
         return Path(tempfile.mkdtemp(prefix="work-", dir=self.tmp))
 
+    # --- use and recency -----------------------------------------------------------------
+
+    @contextmanager
+    def using(self, path: Path) -> Iterator[None]:
+        """Mark a file as being sent: eviction leaves it alone meanwhile."""
+        self._in_use[path] += 1
+        try:
+            yield
+        finally:
+            self._in_use[path] -= 1
+            if self._in_use[path] <= 0:
+                del self._in_use[path]
+
+    def touch(self, path: Path) -> None:
+        """Record a use (the file's mtime is the LRU clock), at most once a minute."""
+        now = time.monotonic()
+        if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
+            self._touched[path] = now
+            asyncio.get_running_loop().run_in_executor(None, _utime_quietly, path)
+
+    # --- publishing and eviction ---------------------------------------------------------
+
     async def publish(self, temp: Path, parts: Sequence[str]) -> Path:
-        """Move a finished temp file into place atomically."""
+        """Move a finished temp file into place atomically, then keep within the limit."""
         final = self.path_for(parts)
+        size = (await aiofiles.os.stat(temp)).st_size
+        try:
+            size -= (await aiofiles.os.stat(final)).st_size  # replacing an older copy
+        except FileNotFoundError:
+            pass
         await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
         await aiofiles.os.replace(temp, final)
+        self.used_bytes += size
+        self._touched[final] = time.monotonic()
+        if self.max_size is not None and self.used_bytes > self.max_size:
+            await self.evict(keep=final)
         return final
 
+    async def evict(self, keep: Path | None = None) -> int:
+        """Delete least recently used files until under the low-water mark; returns how many.
+        Files in use, and `keep`, stay."""
+        if self.max_size is None:
+            return 0
+        async with self._evicting:
+            target = int(self.max_size * _LOW_WATER)
+            candidates = await asyncio.to_thread(lambda: sorted(self._files(),
+                                                                key=lambda f: f[2]))
+            self.used_bytes = sum(size for _p, size, _m in candidates)
+            removed = 0
+            for path, size, _mtime in candidates:
+                if self.used_bytes <= target:
+                    break
+                if path == keep or path in self._in_use:
+                    continue
+                await asyncio.to_thread(path.unlink, True)
+                self._touched.pop(path, None)
+                self.used_bytes -= size
+                removed += 1
+                log.info("evicted %s (%d bytes) to keep the cache under %d bytes",
+                         path.relative_to(self.cache_dir), size, self.max_size)
+                if self._on_evict is not None:
+                    self._on_evict(1, size)
+            return removed
+
     async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
-                    expected_sha256: str) -> StoredArchive:
-        """Write a provider zip to a temp file, check sha256 and that it is a zip, publish."""
-        temp = self.temp_file()
+                    expected_sha256: str, progress: GrowingFile | None = None
+                    ) -> StoredArchive:
+        """Write a provider zip to a temp file (readers may follow it through `progress`),
+        check sha256 and that it is a zip, publish."""
+        temp = progress.temp if progress is not None else self.temp_file()
         digest = hashlib.sha256()
         size = 0
         try:
@@ -97,6 +262,9 @@ class ArchiveStore:
                     digest.update(chunk)
                     size += len(chunk)
                     await handle.write(chunk)
+                    if progress is not None:
+                        await handle.flush()  # followers read what is on disk
+                        progress.advance(len(chunk))
                 await handle.flush()
                 await asyncio.to_thread(os.fsync, handle.fileno())
             actual = digest.hexdigest()
@@ -108,8 +276,20 @@ class ArchiveStore:
             except (zipfile.BadZipFile, ValueError, OSError) as exc:
                 raise IntegrityError("archive", f"package is not a valid zip: {exc}") from None
             final = await self.publish(temp, parts)
-        except BaseException:
+        except BaseException as exc:
             # Synchronous on purpose: this also runs when the fill is cancelled.
             temp.unlink(missing_ok=True)
+            if progress is not None:
+                progress.fail(exc if isinstance(exc, Exception)
+                              else UpstreamError("the download was interrupted"))
             raise
+        if progress is not None:
+            progress.complete(final)
         return StoredArchive(final, size, actual, h1)
+
+
+def _utime_quietly(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass

@@ -68,9 +68,10 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Where verified artifacts and metadata live."""
+    """Where verified artifacts and metadata live, and how much room they may take."""
 
     dir: Path = field(default_factory=default_cache_dir)
+    max_size: int | None = None  # bytes of packages and modules; None: no limit
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,13 @@ class UpstreamConfig:
     metadata_timeout: float = 8.0
     download_timeout: float = 1800.0
     max_archive_size: int = 2 * 2**30
+    mode: str = "online"  # "offline": never contact upstream, serve what is cached
+    max_concurrent_fills: int = 8
+
+    @property
+    def offline(self) -> bool:
+        """Whether upstream must never be contacted."""
+        return self.mode == "offline"
 
     @property
     def all_hosts(self) -> frozenset[str]:
@@ -144,9 +152,10 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
 
 _ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level"),
-    "cache": ("dir",),
-    "upstream": ("ca_bundle", "discovery_ttl", "versions_ttl", "connect_timeout",
-                 "metadata_timeout", "download_timeout", "max_archive_size"),
+    "cache": ("dir", "max_size"),
+    "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
+                 "metadata_timeout", "download_timeout", "max_archive_size",
+                 "max_concurrent_fills"),
     "modules": ("default_host", "max_archive_size", "git_timeout"),
 }
 
@@ -178,9 +187,13 @@ class _Parser:
     def config(self) -> Config:
         self._unknown(self.raw, "", ("server", "cache", "upstream", "modules"))
         server = self._server(self._table(self.raw, "server"))
-        cache = CacheConfig(dir=self._path("cache.dir", self._table(self.raw, "cache"), "dir")
-                            or default_cache_dir())
-        self._unknown(self._table(self.raw, "cache"), "cache.", ("dir",))
+        cache_table = self._table(self.raw, "cache")
+        self._unknown(cache_table, "cache.", _ENV_KEYS["cache"])
+        max_size = None
+        if cache_table.get("max_size") not in (None, "", 0, "0"):
+            max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
+        cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
+                            or default_cache_dir(), max_size=max_size)
         upstream = self._upstream(self._table(self.raw, "upstream"))
         modules = self._modules(self._table(self.raw, "modules"), upstream)
         if self.problems:
@@ -247,8 +260,21 @@ class _Parser:
                             public_url=public_url or None, log_level=level)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
-        self._unknown(table, "upstream.", ("ca_bundle", "allowed_hosts", "hosts",
-                                           *_ENV_KEYS["upstream"][1:]))
+        self._unknown(table, "upstream.", ("allowed_hosts", "hosts", *_ENV_KEYS["upstream"]))
+        mode = self._str("upstream.mode", table, "mode") or "online"
+        if mode not in ("online", "offline"):
+            self.problems.append(f"upstream.mode: expected \"online\" or \"offline\", "
+                                 f"got {mode!r}")
+            mode = "online"
+        fills = table.get("max_concurrent_fills", 8)
+        try:
+            max_fills = int(fills)
+            if isinstance(fills, bool) or max_fills < 1 or str(max_fills) != str(fills).strip():
+                raise ValueError
+        except (TypeError, ValueError):
+            self.problems.append(f"upstream.max_concurrent_fills: expected a whole number of "
+                                 f"at least 1, got {fills!r}")
+            max_fills = 8
         defaults = UpstreamConfig()
         ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
         if ca_bundle is not None:
@@ -276,7 +302,8 @@ class _Parser:
         max_size = self._size("upstream.max_archive_size", table, "max_archive_size",
                               defaults.max_archive_size)
         return UpstreamConfig(ca_bundle=ca_bundle, allowed_hosts=allowed, hosts=hosts,
-                              max_archive_size=max_size, **numbers)
+                              max_archive_size=max_size, mode=mode,
+                              max_concurrent_fills=max_fills, **numbers)
 
     def _hosts(self, raw: object) -> dict[str, UpstreamHostConfig]:
         if not isinstance(raw, dict):

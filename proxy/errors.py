@@ -25,6 +25,10 @@ class NotFound(ProxyError):
     status = 404
 
 
+class Offline(NotFound):
+    """The proxy is in offline mode and does not hold what was asked for."""
+
+
 class UpstreamError(ProxyError):
     """Upstream failed or answered something the proxy cannot use."""
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from proxy.cache import MetadataCache
-from proxy.errors import UpstreamError
+from proxy.errors import ProxyError, UpstreamError
 from proxy.metrics import Metrics
 from proxy.singleflight import SingleFlight
 
@@ -30,8 +30,10 @@ class RefreshingDocuments(Generic[T]):
     """One kind of mutable document, stored in the metadata cache as JSON-able values."""
 
     def __init__(self, kind: str, cache: MetadataCache, metrics: Metrics, ttl: float,
-                 encode: Callable[[T], Any], decode: Callable[[Any], T]) -> None:
+                 encode: Callable[[T], Any], decode: Callable[[Any], T],
+                 offline: bool = False) -> None:
         self._kind = kind
+        self._offline = offline
         self._cache = cache
         self._metrics = metrics
         self._ttl = ttl
@@ -57,7 +59,7 @@ class RefreshingDocuments(Generic[T]):
         copy = self._decode(record["value"])
         age = time.time() - record["fetched_at"]
         known = knows is None or knows(copy)
-        if age < self._ttl and (known or age < UNKNOWN_ENTRY_REFRESH_SECONDS):
+        if self._offline or (age < self._ttl and (known or age < UNKNOWN_ENTRY_REFRESH_SECONDS)):
             self._metrics.cache_lookups.labels(self._kind, "hit").inc()
             return copy
         if self._failing(key):
@@ -91,7 +93,7 @@ class RefreshingDocuments(Generic[T]):
         async def refresh() -> None:
             try:
                 await self._refresh(key, fetch)
-            except UpstreamError as exc:
+            except ProxyError as exc:  # e.g. upstream now says 404: keep serving the copy
                 log.warning("refreshing %s failed; keeping the old copy: %s", key, exc.message)
 
         task = asyncio.ensure_future(refresh())

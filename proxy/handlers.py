@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
+from proxy.archives import ArchiveStore, GrowingFile
 from proxy.config import Config
-from proxy.errors import NotFound
+from proxy.errors import NotFound, ProxyError
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
 from proxy.models import ModuleAddress, ProviderAddress, parse_module_version, parse_version
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 
+log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
 MODULES_PREFIX = "/modules/"
 METRICS_KEY = web.AppKey("metrics", Metrics)
 MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
 MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
+ARCHIVES_KEY = web.AppKey("archives", ArchiveStore)
 CONFIG_KEY = web.AppKey("config", Config)
 
 
@@ -53,9 +60,36 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         version = parse_version(name.removesuffix(".json"))
         return json_response(await mirror.version_document(provider, version))
     if name.endswith(".zip"):
-        path = await mirror.archive(provider, name)
-        return web.FileResponse(path, headers={"Content-Type": "application/zip"})
+        source = await mirror.archive(provider, name)
+        return await send_file(request, source, "application/zip")
     raise NotFound(f"no such mirror document {name[:120]!r}")
+
+
+async def send_file(request: web.Request, source: Path | GrowingFile,
+                    content_type: str) -> web.StreamResponse:
+    """A stored file by sendfile, or a download under way as its bytes arrive. A download
+    that fails verification ends the connection mid-body: never a clean end of bad bytes."""
+    store = request.app[ARCHIVES_KEY]
+    if isinstance(source, GrowingFile) and request.method == "HEAD":
+        source = await source.wait_done()  # noqa: ASYNC240 - not a pathlib call
+    if isinstance(source, Path):
+        store.touch(source)
+        return _InUseFileResponse(source, store, headers={"Content-Type": content_type})
+    streamed = web.StreamResponse(headers={"Content-Type": content_type})
+    if source.size is not None:
+        streamed.content_length = source.size
+    await streamed.prepare(request)
+    try:
+        async with contextlib.aclosing(source.chunks()) as chunks:
+            async for chunk in chunks:
+                await streamed.write(chunk)
+    except ProxyError as exc:
+        log.warning("aborting %s mid-body: %s", request.path, exc.message)
+        if request.transport is not None:
+            request.transport.close()
+        return streamed
+    await streamed.write_eof()
+    return streamed
 
 
 def public_base(request: web.Request) -> str:
@@ -102,8 +136,21 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
         return response
     if action == f"{module.name}-{module.system}-{version}.tar.gz":
         path = await registry.archive(module, version)
-        return web.FileResponse(path, headers={"Content-Type": "application/gzip"})
+        return await send_file(request, path, "application/gzip")
     raise NotFound(f"no such module document {action[:120]!r}")
+
+
+class _InUseFileResponse(web.FileResponse):
+    """sendfile, with the file marked in use while it is sent (eviction leaves it alone)."""
+
+    def __init__(self, path: Path, store: ArchiveStore, headers: dict[str, str]) -> None:
+        super().__init__(path, headers=headers)
+        self._in_use_path = path
+        self._store = store
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        with self._store.using(self._in_use_path):
+            return await super().prepare(request)
 
 
 def add_routes(app: web.Application) -> None:

@@ -32,6 +32,12 @@ class Metrics:
         self.integrity_failures = Counter(
             "tfproxy_integrity_failures", "Upstream artifacts that failed verification.",
             ["kind"], registry=self.registry)
+        self.evictions = Counter(
+            "tfproxy_cache_evictions", "Files deleted to keep the cache under its size limit.",
+            registry=self.registry)
+        self.cache_bytes = Gauge(
+            "tfproxy_cache_size_bytes", "Bytes of packages and modules in the cache.",
+            registry=self.registry)
         self.fills_in_flight = Gauge(
             "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
 

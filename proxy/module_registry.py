@@ -45,7 +45,7 @@ class ModuleRegistry:
         self._git_ca_file = git_ca_file
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
-            encode=list, decode=list)
+            encode=list, decode=list, offline=config.upstream.offline)
         self._archive_fills: SingleFlight[Path] = SingleFlight()
 
     async def close(self) -> None:

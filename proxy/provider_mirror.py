@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from proxy.archives import ArchiveStore
+import aiofiles.os
+
+from proxy.archives import ArchiveStore, GrowingFile
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, ProxyError, UpstreamError
@@ -42,6 +44,7 @@ class VerifiedPackage:
     filename: str
     shasum: str
     h1: str | None = None
+    size: int | None = None  # of the zip as stored, once it was
 
 
 class ProviderMirror:
@@ -57,14 +60,24 @@ class ProviderMirror:
         self._versions = RefreshingDocuments[list[VersionEntry]](
             "versions", cache, metrics, config.versions_ttl,
             encode=lambda entries: [_entry_to_record(e) for e in entries],
-            decode=lambda records: [_entry_from_record(r) for r in records])
+            decode=lambda records: [_entry_from_record(r) for r in records],
+            offline=config.offline)
         self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
-        self._archive_fills: SingleFlight[Path] = SingleFlight()
+        # Archive fills: one task per package, detached from clients; callers get the file
+        # (already there) or the GrowingFile as soon as the download has started.
+        self._archive_ready: dict[tuple[str, ...], asyncio.Future[Path | GrowingFile]] = {}
+        self._archive_tasks: set[asyncio.Task[None]] = set()
+        self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
+        self._verified_sizes: dict[Path, int] = {}
 
     async def close(self) -> None:
         """Stop fills under way (shutdown); their temp files are swept at the next start."""
-        for flights in (self._archive_fills, self._sums_fills, self._package_fills):
+        tasks = list(self._archive_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for flights in (self._sums_fills, self._package_fills):
             await flights.cancel_all()
         await self._versions.close()
 
@@ -124,18 +137,54 @@ class ProviderMirror:
                                 f"{failures[0]}")
         return {"archives": archives}
 
-    async def archive(self, provider: ProviderAddress, filename: str) -> Path:
-        """The verified package file named `filename`, fetched and stored on a miss."""
+    async def archive(self, provider: ProviderAddress, filename: str) -> Path | GrowingFile:
+        """The verified package named `filename`: the stored file, or on a miss the download
+        under way (shared by every caller), which is published only once verified."""
         self._require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
-        path = await self._archives.lookup(self._archive_parts(provider, version, platform))
+        path = await self._stored(provider, version, platform)
         if path is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
             return path
         self._metrics.cache_lookups.labels("archive", "miss").inc()
-        key = ("archive", str(provider), version, platform.key)
-        return await self._archive_fills.run(
-            key, lambda: self._fill_archive(provider, version, platform))
+        key = (str(provider), version, platform.key)
+        ready = self._archive_ready.get(key)
+        if ready is None:
+            ready = asyncio.get_running_loop().create_future()
+            ready.add_done_callback(_retrieve)
+            self._archive_ready[key] = ready
+            task = asyncio.ensure_future(self._fill_archive(provider, version, platform, ready))
+            self._archive_tasks.add(task)
+            task.add_done_callback(lambda done: self._archive_fill_ended(key, ready, done))
+        return await asyncio.shield(ready)
+
+    def _archive_fill_ended(self, key: tuple[str, ...],
+                            ready: asyncio.Future[Path | GrowingFile],
+                            task: asyncio.Task[None]) -> None:
+        self._archive_tasks.discard(task)
+        if self._archive_ready.get(key) is ready:
+            del self._archive_ready[key]
+        error = None if task.cancelled() else task.exception()
+        if not ready.done():
+            ready.set_exception(error or UpstreamError("the download was interrupted"))
+
+    async def _stored(self, provider: ProviderAddress, version: str,
+                      platform: Platform) -> Path | None:
+        """The stored zip, only if a verified record vouches for it (a file that is on disk
+        without one, e.g. after the index was lost, is fetched and checked again)."""
+        found = await self._archives.lookup(self._archive_parts(provider, version, platform))
+        if found is None:
+            return None
+        size = (await aiofiles.os.stat(found)).st_size
+        if self._verified_sizes.get(found) == size:
+            return found
+        record = await self._cache.get(self._package_key(provider, version, platform))
+        if record is not None and record.get("size") == size:
+            self._verified_sizes[found] = size
+            return found
+        log.warning("%s is on disk without a matching verified record; fetching it again",
+                    found)
+        return None
 
     # --- versions ------------------------------------------------------------------------
 
@@ -164,7 +213,7 @@ class ProviderMirror:
         record = await self._cache.get(key)
         if record is not None:
             self._metrics.cache_lookups.labels("package", "hit").inc()
-            return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"))
+            return _package_from_record(record)
         self._metrics.cache_lookups.labels("package", "miss").inc()
         return await self._package_fills.run(
             key, lambda: self._fill_package(key, provider, version, platform, info))
@@ -173,7 +222,7 @@ class ProviderMirror:
                             platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
         record = await self._cache.get(key)  # a fill that finished since the caller looked
         if record is not None:
-            return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"))
+            return _package_from_record(record)
         if info is None:
             info = await self._registry.download_info(provider, version, platform)
         sums = parse_sha256sums(await self._signed_sums(provider, version, info))
@@ -240,13 +289,12 @@ class ProviderMirror:
         return ["archives", provider.hostname, provider.namespace, provider.type, version,
                 provider.archive_filename(version, platform)]
 
-    async def _fill_archive(self, provider: ProviderAddress, version: str,
-                            platform: Platform) -> Path:
-        parts = self._archive_parts(provider, version, platform)
-        # A fill that finished after the caller's lookup has already published the file.
-        published = await self._archives.lookup(parts)
+    async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
+                            ready: asyncio.Future[Path | GrowingFile]) -> None:
+        published = await self._stored(provider, version, platform)  # a fill just finished
         if published is not None:
-            return published
+            ready.set_result(published)
+            return
         entry = await self._version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
@@ -256,23 +304,29 @@ class ProviderMirror:
         if (info.filename, info.shasum) != (package.filename, package.shasum):
             raise self._integrity("changed", f"upstream now describes {provider} {version} "
                                   f"{platform.key} differently from what it signed before")
-        self._metrics.fills_in_flight.inc()
-        try:
-            log.info("fetching %s %s %s from %s", provider, version, platform.key,
-                     info.download_url)
-            stream = self._registry.open_package(provider, info.download_url,
-                                                 self._config.max_archive_size)
-            async with stream as chunks:
-                try:
-                    stored = await self._archives.store(parts, chunks, package.shasum)
-                except IntegrityError as exc:
-                    raise self._integrity(exc.kind, f"{provider} {version} {platform.key}: "
-                                          f"{exc.message}") from None
-        finally:
-            self._metrics.fills_in_flight.dec()
+        async with self._fill_slots:
+            self._metrics.fills_in_flight.inc()
+            try:
+                log.info("fetching %s %s %s from %s", provider, version, platform.key,
+                         info.download_url)
+                stream = self._registry.open_package(provider, info.download_url,
+                                                     self._config.max_archive_size)
+                async with stream as download:
+                    growing = GrowingFile(self._archives.temp_file(), download.size)
+                    await asyncio.to_thread(growing.temp.touch)
+                    ready.set_result(growing)
+                    try:
+                        stored = await self._archives.store(
+                            self._archive_parts(provider, version, platform),
+                            download.chunks, package.shasum, growing)
+                    except IntegrityError as exc:
+                        raise self._integrity(exc.kind, f"{provider} {version} "
+                                              f"{platform.key}: {exc.message}") from None
+            finally:
+                self._metrics.fills_in_flight.dec()
+        self._verified_sizes[stored.path] = stored.size
         await self._cache.set(self._package_key(provider, version, platform),
-                              asdict(replace(package, h1=stored.h1)))
-        return stored.path
+                              asdict(replace(package, h1=stored.h1, size=stored.size)))
 
     def _integrity(self, kind: str, message: str) -> IntegrityError:
         self._metrics.integrity_failures.labels(kind).inc()
@@ -288,3 +342,14 @@ def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:
 def _entry_from_record(record: dict[str, Any]) -> VersionEntry:
     return VersionEntry(version=record["version"], protocols=tuple(record["protocols"]),
                         platforms=tuple(Platform.from_key(k) for k in record["platforms"]))
+
+
+def _package_from_record(record: dict[str, Any]) -> VerifiedPackage:
+    return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"),
+                           record.get("size"))
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # Callers that left must not leave an "exception was never retrieved" warning behind.
+    if not future.cancelled():
+        future.exception()

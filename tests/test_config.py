@@ -126,7 +126,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     for key in ("listen", "tls_cert", "tls_key", "public_url", "log_level", "dir",
                 "ca_bundle", "allowed_hosts", "discovery_ttl", "versions_ttl",
                 "connect_timeout", "metadata_timeout", "download_timeout",
-                "max_archive_size", "services", "default_host", "git_timeout"):
+                "max_archive_size", "services", "default_host", "git_timeout", "max_size",
+                "mode", "max_concurrent_fills"):
         assert f"{key} =" in text, key
 
 
@@ -153,3 +154,20 @@ default_host = "elsewhere.example"
                      "modules.default_host: elsewhere.example is not an allowed upstream host",
                      "TF_REGISTRY_PROXY_SERVER_LISTENN: unknown environment setting"):
         assert expected in problems, expected
+
+
+def test_cache_size_mode_and_fill_cap(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, """
+[cache]
+max_size = "50GiB"
+[upstream]
+mode = "offline"
+max_concurrent_fills = 2
+"""), environ={})
+    assert config.cache.max_size == 50 * 2**30
+    assert config.upstream.offline and config.upstream.max_concurrent_fills == 2
+    assert load_config(None, environ={}).cache.max_size is None
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, '[cache]\nmax_size = "lots"\n[upstream]\nmode = "sometimes"'
+                                    '\nmax_concurrent_fills = 0\n'), environ={})
+    assert len(caught.value.problems) == 3

@@ -18,7 +18,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import UpstreamConfig
-from proxy.errors import NotFound, UpstreamError, UpstreamTimeout
+from proxy.errors import NotFound, Offline, UpstreamError, UpstreamTimeout
 from proxy.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ class Fetched:
     headers: CIMultiDict[str]
 
 
+@dataclass(frozen=True)
+class Download:
+    """An open download: its chunks, and its size when upstream said it."""
+
+    chunks: AsyncIterator[bytes]
+    size: int | None
+
+
 class UpstreamHTTP:
     """GET with bounded redirects and sizes; errors become ProxyErrors."""
 
@@ -83,6 +91,8 @@ class UpstreamHTTP:
                     headers: dict[str, str] | None = None
                     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Follow redirects by hand so every hop is checked (https only, bounded count)."""
+        if self._config.offline:  # the one gate every outbound request passes
+            raise Offline(f"not in the cache, and the proxy is offline (upstream {origin})")
         started = time.monotonic()
         outcome = "error"
         try:
@@ -139,9 +149,8 @@ class UpstreamHTTP:
         return fetched.body
 
     @asynccontextmanager
-    async def stream(self, url: str, origin: str, max_bytes: int
-                     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """Open a large download; yields an iterator of chunks that enforces max_bytes."""
+    async def stream(self, url: str, origin: str, max_bytes: int) -> AsyncIterator[Download]:
+        """Open a large download; its chunk iterator enforces max_bytes."""
         async with self._open(url, origin, self._config.download_timeout,
                               {"Accept": "*/*"}) as response:
             if response.status != 200:
@@ -151,14 +160,14 @@ class UpstreamHTTP:
             if length is not None and length > max_bytes:
                 raise UpstreamError(f"upstream {origin} package is {length} bytes, over the "
                                     f"{max_bytes}-byte limit")
-            yield self._chunks(response, origin, max_bytes)
+            yield Download(self._chunks(response, origin, max_bytes), length)
 
     async def download(self, url: str, origin: str, destination: Path, max_bytes: int) -> int:
         """Stream a file to destination (a temp path of the caller's); returns its size."""
         size = 0
-        async with self.stream(url, origin, max_bytes) as chunks, \
+        async with self.stream(url, origin, max_bytes) as download, \
                 aiofiles.open(destination, "wb") as handle:
-            async for chunk in chunks:
+            async for chunk in download.chunks:
                 size += len(chunk)
                 await handle.write(chunk)
         return size

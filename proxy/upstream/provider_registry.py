@@ -5,14 +5,13 @@ https://developer.hashicorp.com/terraform/internals/provider-registry-protocol
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 
 from proxy.errors import NotFound
 from proxy.models import Platform, ProviderAddress
 from proxy.registry_documents import DownloadInfo, VersionEntry, parse_download, parse_versions
 from proxy.upstream.discovery import Discovery
-from proxy.upstream.http import UpstreamHTTP
+from proxy.upstream.http import Download, UpstreamHTTP
 
 _MAX_SUMS_BYTES = 1 << 20
 _MAX_SIGNATURE_BYTES = 64 << 10
@@ -55,6 +54,6 @@ class ProviderRegistryClient:
         return sums, signature
 
     def open_package(self, provider: ProviderAddress, download_url: str,
-                     max_bytes: int) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+                     max_bytes: int) -> AbstractAsyncContextManager[Download]:
         """Stream the package zip from its (verified download document's) URL."""
         return self._http.stream(download_url, provider.hostname, max_bytes)
