@@ -16,6 +16,7 @@ import stat
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 from proxy.errors import UpstreamError
 
@@ -133,9 +134,15 @@ def pack(module_root: Path, output: Path, max_bytes: int) -> None:
     `.git` is left out; symlinks to files inside the tree are stored as the files they point
     to; a symlink that leaves the tree, or one to a directory, refuses the module."""
     root = module_root.resolve()
+    with open(output, "wb") as raw:
+        _pack_into(raw, module_root, root, max_bytes)
+        raw.flush()
+        os.fsync(raw.fileno())  # durable before it is renamed into place
+
+
+def _pack_into(raw: BinaryIO, module_root: Path, root: Path, max_bytes: int) -> None:
     total = 0
-    with open(output, "wb") as raw, \
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as zipped, \
+    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as zipped, \
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in _walk(module_root):
             relative = path.relative_to(module_root).as_posix()

@@ -47,6 +47,7 @@ class ModuleRegistry:
             "module_versions", cache, metrics, config.upstream.versions_ttl,
             encode=list, decode=list, offline=config.upstream.offline)
         self._archive_fills: SingleFlight[Path] = SingleFlight()
+        self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
@@ -105,6 +106,11 @@ class ModuleRegistry:
             log.error("module %s %s: %s", module, version, exc.message)
             raise
         log.info("fetching module %s %s from %s", module, version, source.url)
+        async with self._fill_slots:
+            return await self._build(module, source, parts)
+
+    async def _build(self, module: ModuleAddress, source: ModuleSource,
+                     parts: list[str]) -> Path:
         limit = self._config.modules.max_archive_size
         work = await asyncio.to_thread(self._archives.work_dir)
         self._metrics.fills_in_flight.inc()
