@@ -163,6 +163,15 @@ class ArchiveStore:
                         continue
                     yield path, info.st_size, info.st_mtime
 
+    def versions_held(self, parts: Sequence[str]) -> set[str]:
+        """Names of the version directories under parts that hold at least one file."""
+        base = self.path_for(parts)
+        try:
+            return {entry.name for entry in base.iterdir()
+                    if entry.is_dir() and any(child.is_file() for child in entry.iterdir())}
+        except FileNotFoundError:
+            return set()
+
     def path_for(self, parts: Sequence[str]) -> Path:
         """Where the file named by already-validated parts lives (first part: the area,
         `archives` or `modules`)."""

@@ -25,6 +25,10 @@ class NotFound(ProxyError):
     status = 404
 
 
+class UpstreamNotFound(NotFound):
+    """Upstream answered 404."""
+
+
 class Offline(NotFound):
     """The proxy is in offline mode and does not hold what was asked for."""
 

@@ -18,7 +18,7 @@ import aiofiles.os
 from proxy.archives import ArchiveStore, GrowingFile
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
-from proxy.errors import IntegrityError, NotFound, ProxyError, UpstreamError
+from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
 from proxy.freshness import RefreshingDocuments
 from proxy.hashes import h1_of_zip, zh_hash
 from proxy.metrics import Metrics
@@ -92,7 +92,17 @@ class ProviderMirror:
         """The body of `index.json`: every valid version upstream lists."""
         self._require_served(provider)
         entries = await self._version_list(provider)
-        ordered = sorted((e.version for e in entries), key=version_sort_key)
+        versions = [e.version for e in entries]
+        if self._config.offline:
+            # Offline, only what is held: a constraint then resolves to a version we have.
+            held = await asyncio.to_thread(
+                self._archives.versions_held, ["archives", provider.hostname,
+                                               provider.namespace, provider.type])
+            versions = [v for v in versions if v in held]
+            if not versions:
+                raise Offline(f"no version of {provider} is in the cache, and the proxy is "
+                              "offline")
+        ordered = sorted(versions, key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
 
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:
@@ -108,13 +118,16 @@ class ProviderMirror:
         limit = asyncio.Semaphore(_PLATFORM_FETCH_CONCURRENCY)
 
         async def one(platform: Platform) -> VerifiedPackage:
+            if self._config.offline and await self._stored(provider, version, platform) is None:
+                raise Offline(f"{provider} {version} {platform.key} is not in the cache, and "
+                              "the proxy is offline")
             async with limit:
                 return await self._package(provider, version, platform)
 
         results = await asyncio.gather(*(one(p) for p in entry.platforms),
                                        return_exceptions=True)
         archives: dict[str, Any] = {}
-        failures: list[str] = []
+        failures: list[ProxyError] = []
         for platform, result in zip(entry.platforms, results, strict=True):
             if isinstance(result, IntegrityError) and result.kind == "signature":
                 raise result
@@ -122,9 +135,11 @@ class ProviderMirror:
                 if not isinstance(result, ProxyError):
                     log.error("%s %s %s left out", provider, version, platform.key,
                               exc_info=result)
-                message = result.message if isinstance(result, ProxyError) else "internal error"
-                log.warning("%s %s %s left out: %s", provider, version, platform.key, message)
-                failures.append(message)
+                failure = result if isinstance(result, ProxyError) else \
+                    UpstreamError("internal error")
+                log.warning("%s %s %s left out: %s", provider, version, platform.key,
+                            failure.message)
+                failures.append(failure)
                 continue
             package = await self._with_h1(provider, version, platform, result)
             hashes = [zh_hash(package.shasum)]
@@ -133,8 +148,10 @@ class ProviderMirror:
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
         if not archives:
+            if all(isinstance(f, NotFound) for f in failures):
+                raise NotFound(f"no package of {provider} {version}: {failures[0].message}")
             raise UpstreamError(f"no package of {provider} {version} could be fetched: "
-                                f"{failures[0]}")
+                                f"{failures[0].message}")
         return {"archives": archives}
 
     async def archive(self, provider: ProviderAddress, filename: str) -> Path | GrowingFile:

@@ -18,7 +18,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import UpstreamConfig
-from proxy.errors import NotFound, Offline, UpstreamError, UpstreamTimeout
+from proxy.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
 from proxy.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def _require_https(url: str) -> None:
 
 def _require_ok(fetched: Fetched, origin: str) -> None:
     if fetched.status == 404:
-        raise NotFound(f"upstream {origin} has no such object")
+        raise UpstreamNotFound(f"upstream {origin} has no such object")
     if fetched.status != 200:
         raise UpstreamError(f"upstream {origin} answered {fetched.status}")
 

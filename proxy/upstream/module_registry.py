@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.errors import NotFound, UpstreamError
+from proxy.errors import NotFound, UpstreamError, UpstreamNotFound
 from proxy.models import ModuleAddress, is_valid_module_version
 from proxy.module_sources import resolve_location
 from proxy.upstream.discovery import Discovery
@@ -30,7 +30,7 @@ class ModuleRegistryClient:
         try:
             _url, document = await self._http.get_json(f"{base}{module.path}/versions",
                                                        module.hostname)
-        except NotFound:
+        except UpstreamNotFound:
             raise NotFound(f"upstream has no module {module}") from None
         return parse_module_versions(document)
 

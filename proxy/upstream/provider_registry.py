@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 
-from proxy.errors import NotFound
+from proxy.errors import NotFound, UpstreamNotFound
 from proxy.models import Platform, ProviderAddress
 from proxy.registry_documents import DownloadInfo, VersionEntry, parse_download, parse_versions
 from proxy.upstream.discovery import Discovery
@@ -33,7 +33,7 @@ class ProviderRegistryClient:
         try:
             _url, document = await self._http.get_json(
                 f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname)
-        except NotFound:
+        except UpstreamNotFound:
             raise NotFound(f"upstream has no provider {provider}") from None
         return parse_versions(document)
 
