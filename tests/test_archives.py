@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from proxy.archives import ArchiveStore
+from proxy.archives import ArchiveStore, GrowingFile
 from proxy.errors import IntegrityError
 from tests.support.fake_registry import build_zip
 
@@ -60,3 +62,57 @@ def test_sweep_removes_leftovers(tmp_path: Path) -> None:
 def test_unsafe_paths_are_refused(tmp_path: Path, parts: list[str]) -> None:
     with pytest.raises(ValueError):
         ArchiveStore(tmp_path).path_for(parts)
+
+
+async def test_eviction_is_lru_and_spares_files_in_use(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path, max_size=2500)
+    paths = []
+    for index in range(3):
+        temp = store.temp_file()
+        temp.write_bytes(b"x" * 1000)
+        os.utime(temp, (1000 + index, 1000 + index))  # oldest first
+        paths.append(await store.publish(temp, ["archives", "h", "n", "t", "1.0.0",
+                                                f"f{index}.zip"]))
+        os.utime(paths[-1], (1000 + index, 1000 + index))
+    # The third publish went over 2500: the oldest file went, down to the low-water mark.
+    assert [p.exists() for p in paths] == [False, True, True]
+    assert store.used_bytes == 2000
+
+    store.max_size = 1500
+    with store.using(paths[1]):  # being sent: stays although it is the oldest
+        assert await store.evict() == 1
+    assert [p.exists() for p in paths] == [False, True, False]
+    assert store.measure() == 1000
+
+
+async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    data = ZIP
+    growing = GrowingFile(store.temp_file(), len(data))
+    growing.temp.touch()
+    gate = asyncio.Event()
+
+    async def slow_chunks() -> AsyncIterator[bytes]:
+        yield data[:3000]
+        await gate.wait()
+        yield data[3000:]
+
+    fill = asyncio.create_task(store.store(PARTS, slow_chunks(),
+                                           hashlib.sha256(data).hexdigest(), growing))
+    reader = growing.chunks()
+    first = await reader.__anext__()
+    assert data.startswith(first) and len(first) < 3000  # the last byte is held back
+    gate.set()
+    rest = b"".join([chunk async for chunk in reader])
+    assert first + rest == data
+    await fill
+    assert growing.final is not None and growing.final.read_bytes() == data
+
+    bad = GrowingFile(store.temp_file(), len(data))
+    bad.temp.touch()
+    failing = asyncio.create_task(store.store(PARTS, chunks(data), "0" * 64, bad))
+    with pytest.raises(IntegrityError):
+        async for _chunk in bad.chunks():
+            pass
+    with pytest.raises(IntegrityError):
+        await failing
