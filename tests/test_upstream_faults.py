@@ -225,3 +225,21 @@ async def test_corrupt_download_aborts_every_streaming_client(
     response = await client.get(f"{BASE}/{ZIP}")
     assert await response.read() == registry.releases[
         ("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+
+
+async def test_concurrent_fills_are_capped_and_the_rest_wait(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make(upstream_max_concurrent_fills="1")
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
+    registry.faults.add("slowzip")
+    names = [f"terraform-provider-null_3.2.1_{p}.zip" for p in ("linux_amd64", "darwin_arm64")]
+    downloads = [asyncio.ensure_future(client.get(f"{BASE}/{n}")) for n in names]
+    await asyncio.sleep(0.3)  # the first trickles (about 0.6 s); the second must wait
+    assert len(registry.archive_requests()) == 1
+    text = await (await client.get("/metrics")).text()
+    assert metric(text, "tfproxy_fills_in_flight") == 1
+    for name, download in zip(names, downloads, strict=True):
+        platform = name.removeprefix("terraform-provider-null_3.2.1_").removesuffix(".zip")
+        assert await (await download).read() == registry.releases[
+            ("hashicorp", "null", "3.2.1")].zips[platform]
+    assert len(registry.archive_requests()) == 2
