@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from proxy.errors import ProxyError
+from proxy.errors import BadRequest, ProxyError
 from proxy.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,25 @@ def json_error(status: int, message: str) -> web.Response:
                         content_type="application/json")
 
 
+MAX_PATH_LENGTH = 2048
+
+
+def reject_odd_path(raw_path: str) -> None:
+    """Refuse, before any routing, paths no client sends: too long, `.`/`..` segments
+    (raw or percent-encoded), backslashes, NUL or other control characters, encoded `/`.
+    Percent-decoding happens once, here and in the router; nothing decodes twice."""
+    path = raw_path.split("?", 1)[0]
+    if len(raw_path) > MAX_PATH_LENGTH:
+        raise BadRequest(f"request path longer than {MAX_PATH_LENGTH} characters")
+    if "%2f" in path.lower() or "%5c" in path.lower():
+        raise BadRequest("encoded slashes are not allowed in paths")
+    decoded = unquote(path, errors="strict")
+    if "\\" in decoded or any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
+        raise BadRequest("control characters and backslashes are not allowed in paths")
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        raise BadRequest("dot segments are not allowed in paths")
+
+
 def error_middleware(metrics: Metrics) -> Middleware:
     """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback."""
 
@@ -27,6 +47,10 @@ def error_middleware(metrics: Metrics) -> Middleware:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = _route_name(request)
         try:
+            try:
+                reject_odd_path(request.raw_path)
+            except UnicodeDecodeError:
+                raise BadRequest("request path is not valid UTF-8") from None
             response = await handler(request)
         except ProxyError as exc:
             if exc.status >= 500:

@@ -31,7 +31,8 @@ _MODULE_SYSTEM = re.compile(r"^[0-9a-z]{1,64}$")
 # Module versions are parsed by clients with hashicorp/go-version, which is laxer than semver
 # ("v1.2", "1.2.0.1" pass); this keeps to that while staying safe as a path segment.
 _MODULE_VERSION = re.compile(
-    r"^v?\d{1,9}(?:\.\d{1,9}){0,3}(?:-?[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$")
+    r"^v?\d{1,9}(?:\.\d{1,9}){0,3}(?:-?[0-9A-Za-z][0-9A-Za-z-]*(?:\.[0-9A-Za-z-]+)*)?"
+    r"(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$")
 _MAX_PART = 64
 _MAX_VERSION = 128
 
