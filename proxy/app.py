@@ -24,6 +24,7 @@ from proxy.middleware import error_middleware
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.upstream.discovery import Discovery
+from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
@@ -54,8 +55,9 @@ def create_app(config: Config) -> web.Application:
         if config.cache.max_size is not None and used > config.cache.max_size:
             await archives.evict()
         cache = MetadataCache(cache_dir / "index")
-        session = make_session(config.upstream)
-        http = UpstreamHTTP(session, config.upstream, metrics)
+        egress = EgressPolicy.from_config(config.upstream)
+        session = make_session(config.upstream, egress)
+        http = UpstreamHTTP(session, config.upstream, metrics, egress)
         discovery = Discovery(http, config.upstream)
         mirror = ProviderMirror(ProviderRegistryClient(http, discovery), cache, archives,
                                 config.upstream, metrics)

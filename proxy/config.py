@@ -6,6 +6,7 @@ means the built-in defaults.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -97,6 +98,8 @@ class UpstreamConfig:
     max_archive_size: int = 2 * 2**30
     mode: str = "online"  # "offline": never contact upstream, serve what is cached
     max_concurrent_fills: int = 8
+    # Non-public networks that hosts named by upstream answers may resolve to.
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     @property
     def offline(self) -> bool:
@@ -260,7 +263,18 @@ class _Parser:
                             public_url=public_url or None, log_level=level)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
-        self._unknown(table, "upstream.", ("allowed_hosts", "hosts", *_ENV_KEYS["upstream"]))
+        self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
+                                           *_ENV_KEYS["upstream"]))
+        networks = []
+        raw_networks = table.get("allowed_networks", [])
+        if not isinstance(raw_networks, list):
+            raw_networks = [raw_networks]
+        for raw in raw_networks:
+            try:
+                networks.append(ipaddress.ip_network(str(raw), strict=False))
+            except ValueError:
+                self.problems.append(f"upstream.allowed_networks: {raw!r} is not a network "
+                                     "such as \"10.0.0.0/8\"")
         mode = self._str("upstream.mode", table, "mode") or "online"
         if mode not in ("online", "offline"):
             self.problems.append(f"upstream.mode: expected \"online\" or \"offline\", "
@@ -303,7 +317,8 @@ class _Parser:
                               defaults.max_archive_size)
         return UpstreamConfig(ca_bundle=ca_bundle, allowed_hosts=allowed, hosts=hosts,
                               max_archive_size=max_size, mode=mode,
-                              max_concurrent_fills=max_fills, **numbers)
+                              max_concurrent_fills=max_fills,
+                              allowed_networks=tuple(networks), **numbers)
 
     def _hosts(self, raw: object) -> dict[str, UpstreamHostConfig]:
         if not isinstance(raw, dict):

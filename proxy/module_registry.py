@@ -133,6 +133,7 @@ class ModuleRegistry:
         tree = work / "tree"
         limit = self._config.modules.max_archive_size
         if source.kind == "git":
+            await self._http.egress.check_host(source.url)  # git resolves names itself
             await git.clone(source.url, source.ref, tree,
                             time_limit=self._config.modules.git_timeout,
                             ca_file=self._git_ca_file)

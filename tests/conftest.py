@@ -129,7 +129,8 @@ def write_config(tmp_path: Path, registry: FakeRegistry,
                  upstream_ca_file: Path) -> Callable[..., Path]:
     """Write a proxy config whose registry.terraform.io is the fake upstream."""
 
-    def write(extra: str = "", cache_dir: Path | None = None, port: int = 0) -> Path:
+    def write(extra: str = "", cache_dir: Path | None = None, port: int = 0,
+              upstream_extra: str = "") -> Path:
         path = tmp_path / "proxy.toml"
         path.write_text(
             f"""
@@ -141,6 +142,7 @@ dir = "{cache_dir or tmp_path / 'cache'}"
 
 [upstream]
 ca_bundle = "{upstream_ca_file}"
+{upstream_extra}
 
 [upstream.hosts."registry.terraform.io".services]
 "providers.v1" = "{registry.providers_url}"

@@ -127,7 +127,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "ca_bundle", "allowed_hosts", "discovery_ttl", "versions_ttl",
                 "connect_timeout", "metadata_timeout", "download_timeout",
                 "max_archive_size", "services", "default_host", "git_timeout", "max_size",
-                "mode", "max_concurrent_fills"):
+                "mode", "max_concurrent_fills", "allowed_networks"):
         assert f"{key} =" in text, key
 
 

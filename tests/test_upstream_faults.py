@@ -23,9 +23,10 @@ Make = Callable[..., Awaitable[TestClient]]
 def make(aiohttp_client, write_config: Callable[..., Path]) -> Make:  # type: ignore[no-untyped-def]
     """A client for an app with extra config lines and environment overrides."""
 
-    async def build(extra: str = "", **env: str) -> TestClient:
+    async def build(extra: str = "", upstream_extra: str = "", **env: str) -> TestClient:
         environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
-        config = load_config(write_config(extra=extra), environ=environ)
+        config = load_config(write_config(extra=extra, upstream_extra=upstream_extra),
+                             environ=environ)
         return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
 
     return build
@@ -243,3 +244,29 @@ async def test_concurrent_fills_are_capped_and_the_rest_wait(
         assert await (await download).read() == registry.releases[
             ("hashicorp", "null", "3.2.1")].zips[platform]
     assert len(registry.archive_requests()) == 2
+
+
+@pytest.mark.parametrize(("fault", "path", "message"), [
+    ("loopback-url", ZIP, "refusing to connect to localhost"),
+    ("metadata-url", ZIP, "refusing to connect to 169.254.169.254"),
+    ("redirect-private", "index.json", "refusing to connect to localhost"),
+])
+async def test_upstream_cannot_aim_the_proxy_at_private_addresses(
+        make: Make, registry: FakeRegistry, fault: str, path: str, message: str) -> None:
+    client = await make()
+    registry.faults.add(fault)
+    response = await client.get(f"{BASE}/{path}")
+    assert response.status == 502
+    assert message in await error_of(response)
+    assert registry.archive_requests() == []  # the refused host was never contacted
+    assert registry.paths().count("/v1/providers/hashicorp/null/versions") <= 1
+
+
+async def test_allowed_networks_open_private_ranges(make: Make,
+                                                    registry: FakeRegistry) -> None:
+    client = await make(upstream_extra='allowed_networks = ["127.0.0.0/8", "::1/128"]')
+    registry.faults.add("loopback-url")
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert await response.read() == registry.releases[
+        ("hashicorp", "null", "3.2.1")].zips["linux_amd64"]

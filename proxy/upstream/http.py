@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from proxy.config import UpstreamConfig
 from proxy.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
 from proxy.metrics import Metrics
+from proxy.upstream.egress import EgressPolicy, GuardedResolver
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,11 @@ def make_ssl_context(config: UpstreamConfig) -> ssl.SSLContext:
     return context
 
 
-def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
-    """The one outbound session: honors HTTPS_PROXY/NO_PROXY (trust_env)."""
+def make_session(config: UpstreamConfig, egress: EgressPolicy) -> aiohttp.ClientSession:
+    """The one outbound session: honors HTTPS_PROXY/NO_PROXY (trust_env); every name it
+    resolves passes the egress policy."""
     connector = aiohttp.TCPConnector(ssl=make_ssl_context(config), limit=64,
-                                     ttl_dns_cache=60)
+                                     ttl_dns_cache=60, resolver=GuardedResolver(egress))
     # Bytes are verified and served exactly as published: ask for no content coding at all
     # (aiohttp would otherwise offer gzip) and refuse answers that use one anyway.
     return aiohttp.ClientSession(
@@ -76,10 +78,11 @@ class UpstreamHTTP:
     """GET with bounded redirects and sizes; errors become ProxyErrors."""
 
     def __init__(self, session: aiohttp.ClientSession, config: UpstreamConfig,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, egress: EgressPolicy) -> None:
         self._session = session
         self._config = config
         self._metrics = metrics
+        self.egress = egress
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         # sock_read catches a stalled transfer long before the total deadline.
@@ -98,6 +101,7 @@ class UpstreamHTTP:
         try:
             for _hop in range(MAX_REDIRECTS + 1):
                 _require_https(url)
+                self.egress.check_url(url)
                 async with self._session.get(url, allow_redirects=False, headers=headers,
                                              timeout=self._timeout(total)) as response:
                     if response.status in _REDIRECTS and "Location" in response.headers:
@@ -233,6 +237,9 @@ def _outcome(status: int) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    cause = getattr(exc, "os_error", None)
+    if isinstance(cause, OSError) and cause.strerror is None and cause.args:
+        return str(cause)[:300]  # our own refusals (egress policy) say it best
     text = str(exc) or type(exc).__name__
     return text[:300]
 

@@ -246,6 +246,9 @@ class FakeRegistry:
             raise web.HTTPFound(request.path)
         if "httpredirect" in self.faults:
             raise web.HTTPFound(f"http://127.0.0.1:{self.port}{request.path}")
+        if "redirect-private" in self.faults:
+            raise web.HTTPFound(f"https://localhost:{self.port}/v1/providers/{ns}/{type_}/"
+                                "versions")
         if "badredirect" in self.faults:
             return web.Response(status=302, headers={"Location": "https://["})
         if "deepjson" in self.faults:
@@ -286,6 +289,10 @@ class FakeRegistry:
             download_url += f"?token={self.url_token}"
         if "badurl" in self.faults:
             download_url = "//[x"
+        if "loopback-url" in self.faults:  # another name for this very server: loopback
+            download_url = f"https://localhost:{self.port}{download_url}"
+        if "metadata-url" in self.faults:
+            download_url = "https://169.254.169.254/latest/meta-data/iam/credentials"
         return web.json_response({
             "protocols": ["5.0"], "os": info["os"], "arch": info["arch"],
             "filename": release.filename(platform),
