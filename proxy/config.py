@@ -1,138 +1,41 @@
-"""Configuration: TOML (tomllib) plus environment overrides, into typed frozen dataclasses.
-
-Every problem is collected and reported at once, each with its key's name. No file at all
-means the built-in defaults.
+"""Configuration loading: TOML (tomllib) plus environment overrides, into the typed frozen
+dataclasses of proxy.settings (re-exported here). Every problem is collected and reported at
+once, each with its key's name. No file at all means the built-in defaults.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import math
 import os
-import re
-import ssl
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+from proxy.config_parser import parse_tables
 from proxy.errors import BadRequest
 from proxy.models import normalize_hostname
+from proxy.settings import (
+    CONFIG_ENV,
+    DEFAULT_ALLOWED_HOSTS,
+    ENV_KEYS,
+    ENV_PREFIX,
+    KNOWN_SERVICES,
+    CacheConfig,
+    Config,
+    ConfigError,
+    ModulesConfig,
+    Secret,
+    ServerConfig,
+    UpstreamConfig,
+    UpstreamHostConfig,
+    default_cache_dir,
+    parse_size,
+)
 
-CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
-# TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
-ENV_PREFIX = "TF_REGISTRY_PROXY_"
-DEFAULT_ALLOWED_HOSTS = ("registry.terraform.io", "registry.opentofu.org")
-KNOWN_SERVICES = ("providers.v1", "modules.v1")
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class ConfigError(Exception):
-    """One or more configuration problems, each naming its key."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
-
-
-def default_cache_dir() -> Path:
-    """A per-user cache directory (XDG_CACHE_HOME honored)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tf-registry-proxy"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the proxy listens and how clients reach it."""
-
-    host: str = "127.0.0.1"
-    port: int = 8443
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    public_url: str | None = None
-    log_level: str = "info"
-
-    @property
-    def base_url(self) -> str:
-        """The https URL clients use, always ending in `/`."""
-        if self.public_url:
-            return self.public_url if self.public_url.endswith("/") else self.public_url + "/"
-        host = "localhost" if self.host in ("0.0.0.0", "::", "") else self.host
-        if ":" in host:
-            host = f"[{host}]"
-        return f"https://{host}:{self.port}/"
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Where verified artifacts and metadata live, and how much room they may take."""
-
-    dir: Path = field(default_factory=default_cache_dir)
-    max_size: int | None = None  # bytes of packages and modules; None: no limit
-
-
-@dataclass(frozen=True)
-class UpstreamHostConfig:
-    """A configured upstream host: its service URLs replace remote discovery."""
-
-    services: Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class UpstreamConfig:
-    """Which registries the proxy may contact, and how."""
-
-    ca_bundle: Path | None = None
-    allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
-    hosts: Mapping[str, UpstreamHostConfig] = field(default_factory=dict)
-    discovery_ttl: float = 3600.0
-    versions_ttl: float = 600.0
-    # Terraform gives a mirror 10 s per request; an upstream answer must come well before.
-    connect_timeout: float = 5.0
-    metadata_timeout: float = 8.0
-    download_timeout: float = 1800.0
-    max_archive_size: int = 2 * 2**30
-    mode: str = "online"  # "offline": never contact upstream, serve what is cached
-    max_concurrent_fills: int = 8
-    # Non-public networks that hosts named by upstream answers may resolve to.
-    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-
-    @property
-    def offline(self) -> bool:
-        """Whether upstream must never be contacted."""
-        return self.mode == "offline"
-
-    @property
-    def all_hosts(self) -> frozenset[str]:
-        """Every upstream host the proxy serves: allowed_hosts plus configured hosts."""
-        return frozenset(self.allowed_hosts) | frozenset(self.hosts)
-
-    def serves(self, hostname: str) -> bool:
-        """Whether the proxy serves (and may contact) this normalized upstream hostname."""
-        return hostname in self.allowed_hosts or hostname in self.hosts
-
-
-@dataclass(frozen=True)
-class ModulesConfig:
-    """How registry modules are fetched and served."""
-
-    default_host: str = "registry.terraform.io"
-    max_archive_size: int = 512 * 2**20
-    git_timeout: float = 300.0
-
-
-@dataclass(frozen=True)
-class Config:
-    """The whole configuration."""
-
-    server: ServerConfig = field(default_factory=ServerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
-    modules: ModulesConfig = field(default_factory=ModulesConfig)
+__all__ = ["CONFIG_ENV", "DEFAULT_ALLOWED_HOSTS", "KNOWN_SERVICES", "CacheConfig", "Config",
+           "ConfigError", "ModulesConfig", "Secret", "ServerConfig", "UpstreamConfig",
+           "UpstreamHostConfig", "default_cache_dir", "load_config", "parse_size"]
 
 
 def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -150,23 +53,33 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
     env_problems = _apply_env(raw, env)
-    return _Parser(raw, env_problems).config()
+
+    config = parse_tables(raw, env_problems)
+    return _with_env_tokens(config, env)
 
 
-_ENV_KEYS = {
-    "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level"),
-    "cache": ("dir", "max_size"),
-    "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
-                 "metadata_timeout", "download_timeout", "max_archive_size",
-                 "max_concurrent_fills"),
-    "modules": ("default_host", "max_archive_size", "git_timeout"),
-}
+def _with_env_tokens(config: Config, env: Mapping[str, str]) -> Config:
+    """TF_TOKEN_<host> variables, named as Terraform names them ("." as "_", "-" as "__").
+    A token does not make its host allowed."""
+    tokens: dict[str, Secret] = {}
+    for name, value in env.items():
+        if not name.upper().startswith("TF_TOKEN_") or not value:
+            continue
+        encoded = name[len("TF_TOKEN_"):]
+        try:
+            hostname = normalize_hostname(encoded.replace("__", "-").replace("_", "."))
+        except BadRequest:
+            continue  # not a hostname; Terraform ignores such variables too
+        tokens[hostname] = Secret(value)
+    if not tokens:
+        return config
+    return replace(config, upstream=replace(config.upstream, tokens=tokens))
 
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
     """Apply TF_REGISTRY_PROXY_<TABLE>_<KEY> overrides; returns problems for unknown ones."""
     known = {CONFIG_ENV}
-    for section, keys in _ENV_KEYS.items():
+    for section, keys in ENV_KEYS.items():
         for key in keys:
             name = f"{ENV_PREFIX}{section}_{key}".upper()
             known.add(name)
@@ -178,253 +91,3 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
     return [f"{name}: unknown environment setting (known: TF_REGISTRY_PROXY_<TABLE>_<KEY> "
             "for the scalar keys of config.example.toml)"
             for name in sorted(env) if name.startswith(ENV_PREFIX) and name not in known]
-
-
-class _Parser:
-    """Walks the raw TOML, collecting every problem before failing."""
-
-    def __init__(self, raw: dict[str, Any], problems: list[str]) -> None:
-        self.raw = raw
-        self.problems = list(problems)
-
-    def config(self) -> Config:
-        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules"))
-        server = self._server(self._table(self.raw, "server"))
-        cache_table = self._table(self.raw, "cache")
-        self._unknown(cache_table, "cache.", _ENV_KEYS["cache"])
-        max_size = None
-        if cache_table.get("max_size") not in (None, "", 0, "0"):
-            max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
-        cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
-                            or default_cache_dir(), max_size=max_size)
-        upstream = self._upstream(self._table(self.raw, "upstream"))
-        modules = self._modules(self._table(self.raw, "modules"), upstream)
-        if self.problems:
-            raise ConfigError(self.problems)
-        return Config(server=server, cache=cache, upstream=upstream, modules=modules)
-
-    def _modules(self, table: dict[str, Any], upstream: UpstreamConfig) -> ModulesConfig:
-        self._unknown(table, "modules.", _ENV_KEYS["modules"])
-        defaults = ModulesConfig()
-        default_host = defaults.default_host
-        raw_host = self._str("modules.default_host", table, "default_host")
-        if raw_host:
-            default_host = self._hostname("modules.default_host", raw_host) or default_host
-            if default_host not in upstream.all_hosts:
-                self.problems.append(f"modules.default_host: {default_host} is not an "
-                                     "allowed upstream host")
-        elif default_host not in upstream.all_hosts and upstream.allowed_hosts:
-            default_host = upstream.allowed_hosts[0]
-        return ModulesConfig(
-            default_host=default_host,
-            max_archive_size=self._size("modules.max_archive_size", table, "max_archive_size",
-                                        defaults.max_archive_size),
-            git_timeout=self._number("modules.git_timeout", table, "git_timeout",
-                                     defaults.git_timeout))
-
-    def _server(self, table: dict[str, Any]) -> ServerConfig:
-        self._unknown(table, "server.", ("listen", "tls_cert", "tls_key", "public_url",
-                                         "log_level"))
-        defaults = ServerConfig()
-        host, port = defaults.host, defaults.port
-        listen = table.get("listen")
-        if listen is not None:
-            parsed = _parse_listen(listen)
-            if parsed is None:
-                self.problems.append(f"server.listen: expected \"host:port\" with a port "
-                                     f"from 1 to 65535, got {listen!r}")
-            else:
-                host, port = parsed
-        cert = self._path("server.tls_cert", table, "tls_cert")
-        key = self._path("server.tls_key", table, "tls_key")
-        if (cert is None) != (key is None):
-            self.problems.append("server.tls_cert and server.tls_key: set both or neither")
-        for name, path in (("server.tls_cert", cert), ("server.tls_key", key)):
-            if path is not None and not path.is_file():
-                self.problems.append(f"{name}: no such file {str(path)!r}")
-        public_url = self._str("server.public_url", table, "public_url")
-        if public_url:
-            try:
-                parts = urlsplit(public_url)
-                valid = parts.scheme == "https" and bool(parts.hostname) and parts.port != 0
-            except ValueError:
-                valid = False
-            if not valid or parts.query or parts.fragment:
-                self.problems.append(f"server.public_url: expected an https URL such as "
-                                     f"\"https://mirror.example:8443/\", got {public_url!r}")
-            elif parts.path not in ("", "/"):
-                self.problems.append("server.public_url: a path prefix is not supported; serve "
-                                     "the proxy at the root of its URL")
-        level = (self._str("server.log_level", table, "log_level") or defaults.log_level).lower()
-        if level not in ("debug", "info", "warning", "error"):
-            self.problems.append(
-                f"server.log_level: expected debug, info, warning or error, got {level!r}")
-        return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
-                            public_url=public_url or None, log_level=level)
-
-    def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
-        self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
-                                           *_ENV_KEYS["upstream"]))
-        networks = []
-        raw_networks = table.get("allowed_networks", [])
-        if not isinstance(raw_networks, list):
-            raw_networks = [raw_networks]
-        for raw in raw_networks:
-            try:
-                networks.append(ipaddress.ip_network(str(raw), strict=False))
-            except ValueError:
-                self.problems.append(f"upstream.allowed_networks: {raw!r} is not a network "
-                                     "such as \"10.0.0.0/8\"")
-        mode = self._str("upstream.mode", table, "mode") or "online"
-        if mode not in ("online", "offline"):
-            self.problems.append(f"upstream.mode: expected \"online\" or \"offline\", "
-                                 f"got {mode!r}")
-            mode = "online"
-        fills = table.get("max_concurrent_fills", 8)
-        try:
-            max_fills = int(fills)
-            if isinstance(fills, bool) or max_fills < 1 or str(max_fills) != str(fills).strip():
-                raise ValueError
-        except (TypeError, ValueError):
-            self.problems.append(f"upstream.max_concurrent_fills: expected a whole number of "
-                                 f"at least 1, got {fills!r}")
-            max_fills = 8
-        defaults = UpstreamConfig()
-        ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
-        if ca_bundle is not None:
-            if not ca_bundle.is_file():
-                self.problems.append(f"upstream.ca_bundle: no such file {str(ca_bundle)!r}")
-            else:
-                try:
-                    ssl.create_default_context().load_verify_locations(cafile=str(ca_bundle))
-                except (ssl.SSLError, OSError) as exc:
-                    self.problems.append(f"upstream.ca_bundle: {str(ca_bundle)!r} holds no "
-                                         f"usable PEM CA certificate ({exc})")
-        allowed = defaults.allowed_hosts
-        raw_allowed = table.get("allowed_hosts")
-        if raw_allowed is not None:
-            if not isinstance(raw_allowed, list) \
-                    or not all(isinstance(h, str) for h in raw_allowed):
-                self.problems.append("upstream.allowed_hosts: expected a list of hostnames")
-            else:
-                allowed = tuple(h for h in (self._hostname("upstream.allowed_hosts", h)
-                                            for h in raw_allowed) if h)
-        hosts = self._hosts(table.get("hosts", {}))
-        numbers = {key: self._number(f"upstream.{key}", table, key, getattr(defaults, key))
-                   for key in ("discovery_ttl", "versions_ttl", "connect_timeout",
-                               "metadata_timeout", "download_timeout")}
-        max_size = self._size("upstream.max_archive_size", table, "max_archive_size",
-                              defaults.max_archive_size)
-        return UpstreamConfig(ca_bundle=ca_bundle, allowed_hosts=allowed, hosts=hosts,
-                              max_archive_size=max_size, mode=mode,
-                              max_concurrent_fills=max_fills,
-                              allowed_networks=tuple(networks), **numbers)
-
-    def _hosts(self, raw: object) -> dict[str, UpstreamHostConfig]:
-        if not isinstance(raw, dict):
-            self.problems.append("upstream.hosts: expected a table of hosts")
-            return {}
-        hosts: dict[str, UpstreamHostConfig] = {}
-        for name, entry in raw.items():
-            where = f"upstream.hosts.{name!r}"
-            hostname = self._hostname(where, name)
-            if not isinstance(entry, dict):
-                self.problems.append(f"{where}: expected a table")
-                continue
-            self._unknown(entry, f"{where}.", ("services",))
-            services = entry.get("services", {})
-            if not isinstance(services, dict) or not services:
-                self.problems.append(f"{where}.services: expected a non-empty table of URLs")
-                continue
-            checked: dict[str, str] = {}
-            for service, url in services.items():
-                if service not in KNOWN_SERVICES:
-                    self.problems.append(
-                        f"{where}.services: unknown service {service!r} "
-                        f"(known: {', '.join(KNOWN_SERVICES)})")
-                elif not isinstance(url, str) or urlsplit(url).scheme != "https" \
-                        or not urlsplit(url).hostname:
-                    self.problems.append(f"{where}.services.{service}: expected an https URL")
-                else:
-                    checked[service] = url if url.endswith("/") else url + "/"
-            if hostname:
-                hosts[hostname] = UpstreamHostConfig(services=checked)
-        return hosts
-
-    # Small typed readers: each records a problem and returns a fallback on bad input.
-
-    def _table(self, raw: dict[str, Any], key: str) -> dict[str, Any]:
-        value = raw.get(key, {})
-        if not isinstance(value, dict):
-            self.problems.append(f"{key}: expected a table")
-            return {}
-        return value
-
-    def _unknown(self, table: dict[str, Any], prefix: str, known: tuple[str, ...]) -> None:
-        for key in table:
-            if key not in known:
-                self.problems.append(f"{prefix}{key}: unknown key")
-
-    def _str(self, where: str, table: dict[str, Any], key: str) -> str | None:
-        value = table.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            self.problems.append(f"{where}: expected a string, got {type(value).__name__}")
-            return None
-        return value
-
-    def _path(self, where: str, table: dict[str, Any], key: str) -> Path | None:
-        value = self._str(where, table, key)
-        return Path(value).expanduser() if value else None
-
-    def _hostname(self, where: str, value: str) -> str | None:
-        try:
-            return normalize_hostname(value)
-        except BadRequest as exc:
-            self.problems.append(f"{where}: {exc.message}")
-            return None
-
-    def _number(self, where: str, table: dict[str, Any], key: str, default: float) -> float:
-        value = table.get(key, default)
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.problems.append(f"{where}: expected a number of seconds, got {value!r}")
-            return default
-        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
-            self.problems.append(f"{where}: expected a positive number, got {value!r}")
-            return default
-        return number
-
-    def _size(self, where: str, table: dict[str, Any], key: str, default: int) -> int:
-        value = table.get(key, default)
-        size = parse_size(value)
-        if size is None or size <= 0:
-            self.problems.append(f"{where}: expected a size such as \"512MiB\", got {value!r}")
-            return default
-        return size
-
-
-def parse_size(value: object) -> int | None:
-    """Parse `123`, `"512MiB"`, `"2GB"` into bytes; None when malformed."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if not isinstance(value, str):
-        return None
-    match = _SIZE.fullmatch(value)
-    if not match:
-        return None
-    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
-
-
-def _parse_listen(value: object) -> tuple[str, int] | None:
-    if not isinstance(value, str):
-        return None
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
-        return None
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)

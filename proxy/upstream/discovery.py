@@ -44,7 +44,7 @@ class Discovery:
     async def services(self, hostname: str) -> Mapping[str, str]:
         """The services of an allowed host: configured, cached (TTL) or discovered."""
         override = self._config.hosts.get(hostname)
-        if override is not None:
+        if override is not None and override.services:
             return override.services
         cached = self._cache.get(hostname)
         now = time.monotonic()
@@ -65,7 +65,7 @@ class Discovery:
 
     async def _discover(self, hostname: str) -> Mapping[str, str]:
         url = f"https://{hostname}/.well-known/terraform.json"
-        fetched = await self._http.get(url, hostname, MAX_JSON_BYTES)
+        fetched = await self._http.get(url, hostname, MAX_JSON_BYTES, authenticate=True)
         if fetched.status == 404:
             log.info("discovery on %s answered 404: no services", hostname)
             return {}

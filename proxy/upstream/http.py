@@ -91,18 +91,25 @@ class UpstreamHTTP:
 
     @asynccontextmanager
     async def _open(self, url: str, origin: str, total: float,
-                    headers: dict[str, str] | None = None
+                    headers: dict[str, str] | None = None, authenticate: bool = False
                     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Follow redirects by hand so every hop is checked (https only, bounded count)."""
+        """Follow redirects by hand so every hop is checked (https only, bounded count).
+        With `authenticate`, the proxy's token for the origin registry goes along, to the
+        first URL's host only (never across a redirect to another host)."""
         if self._config.offline:  # the one gate every outbound request passes
             raise Offline(f"not in the cache, and the proxy is offline (upstream {origin})")
         started = time.monotonic()
         outcome = "error"
+        token = self._config.token_for(origin) if authenticate else None
+        token_netloc = urlsplit(url).netloc
         try:
             for _hop in range(MAX_REDIRECTS + 1):
                 _require_https(url)
                 self.egress.check_url(url)
-                async with self._session.get(url, allow_redirects=False, headers=headers,
+                hop_headers = dict(headers or {})
+                if token is not None and urlsplit(url).netloc == token_netloc:
+                    hop_headers["Authorization"] = f"Bearer {token}"
+                async with self._session.get(url, allow_redirects=False, headers=hop_headers,
                                              timeout=self._timeout(total)) as response:
                     if response.status in _REDIRECTS and "Location" in response.headers:
                         url = _redirect_target(url, response.headers["Location"], origin)
@@ -126,19 +133,20 @@ class UpstreamHTTP:
             self._metrics.upstream_latency.labels(origin).observe(time.monotonic() - started)
 
     async def get(self, url: str, origin: str, max_bytes: int,
-                  accept: str = "application/json") -> Fetched:
+                  accept: str = "application/json", authenticate: bool = False) -> Fetched:
         """GET a small document whatever its status; the body is capped at max_bytes."""
         async with self._open(url, origin, self._config.metadata_timeout,
-                              {"Accept": accept}) as response:
+                              {"Accept": accept}, authenticate) as response:
             body = await _read_capped(response, max_bytes, origin)
             self._metrics.upstream_bytes.labels("metadata").inc(len(body))
             return Fetched(str(response.url), response.status,
                            response.headers.get("Content-Type", ""), body,
                            CIMultiDict(response.headers))
 
-    async def get_json(self, url: str, origin: str) -> tuple[str, object]:
+    async def get_json(self, url: str, origin: str,
+                       authenticate: bool = False) -> tuple[str, object]:
         """GET a JSON document that must exist: 404 -> NotFound, other non-200 -> 502."""
-        fetched = await self.get(url, origin, MAX_JSON_BYTES)
+        fetched = await self.get(url, origin, MAX_JSON_BYTES, authenticate=authenticate)
         _require_ok(fetched, origin)
         try:
             return fetched.url, json.loads(fetched.body)

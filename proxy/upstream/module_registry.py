@@ -29,7 +29,7 @@ class ModuleRegistryClient:
         base = await self._base(module)
         try:
             _url, document = await self._http.get_json(f"{base}{module.path}/versions",
-                                                       module.hostname)
+                                                       module.hostname, authenticate=True)
         except UpstreamNotFound:
             raise NotFound(f"upstream has no module {module}") from None
         return parse_module_versions(document)
@@ -40,7 +40,8 @@ class ModuleRegistryClient:
         resolved against the download URL."""
         base = await self._base(module)
         url = f"{base}{module.path}/{version}/download"
-        fetched = await self._http.get(url, module.hostname, MAX_JSON_BYTES)
+        fetched = await self._http.get(url, module.hostname, MAX_JSON_BYTES,
+                                       authenticate=True)
         if fetched.status == 404:
             raise NotFound(f"upstream has no version {version} of module {module}")
         if fetched.status not in (200, 204):

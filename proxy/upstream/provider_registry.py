@@ -32,7 +32,8 @@ class ProviderRegistryClient:
         base = await self._base(provider)
         try:
             _url, document = await self._http.get_json(
-                f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname)
+                f"{base}{provider.namespace}/{provider.type}/versions", provider.hostname,
+                authenticate=True)
         except UpstreamNotFound:
             raise NotFound(f"upstream has no provider {provider}") from None
         return parse_versions(document)
@@ -43,7 +44,8 @@ class ProviderRegistryClient:
         base = await self._base(provider)
         url = (f"{base}{provider.namespace}/{provider.type}/{version}/download/"
                f"{platform.os}/{platform.arch}")
-        final_url, document = await self._http.get_json(url, provider.hostname)
+        final_url, document = await self._http.get_json(url, provider.hostname,
+                                                         authenticate=True)
         return parse_download(document, final_url, platform)
 
     async def shasums(self, provider: ProviderAddress, info: DownloadInfo) -> tuple[bytes, bytes]:

@@ -88,6 +88,7 @@ class FakeRegistry:
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
         self.url_token = 0
+        self.authorizations: list[tuple[str, str | None]] = []
         self.module_archives: dict[str, bytes] = {}
         self.git_root = Path(tempfile.mkdtemp(prefix="fake-git-"))
         self.port = 0
@@ -141,6 +142,7 @@ class FakeRegistry:
 
     def reset(self) -> None:
         self.requests.clear()
+        self.authorizations.clear()
         self.faults.clear()
 
     @property
@@ -190,6 +192,7 @@ class FakeRegistry:
     @web.middleware
     async def _log_and_faults(self, request: web.Request, handler: object) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
+        self.authorizations.append((request.path, request.headers.get("Authorization")))
         if "down" in self.faults:
             return web.Response(status=503, text="upstream is down")
         if "stall" in self.faults:
