@@ -51,6 +51,7 @@ def create_app(config: Config) -> web.Application:
             log.info("removed %d unfinished download(s) left by an earlier run", swept)
         used = await asyncio.to_thread(archives.measure)
         metrics.cache_bytes.set_function(lambda: archives.used_bytes)
+        metrics.cache_files.set_function(lambda: archives.file_count)
         log.info("cache holds %d bytes of packages and modules", used)
         if config.cache.max_size is not None and used > config.cache.max_size:
             await archives.evict()

@@ -131,6 +131,7 @@ class ArchiveStore:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.max_size = max_size
         self.used_bytes = 0
+        self.file_count = 0
         self._on_evict = on_evict
         self._in_use: Counter[Path] = Counter()
         self._touched: dict[Path, float] = {}
@@ -149,7 +150,8 @@ class ArchiveStore:
 
     def measure(self) -> int:
         """Add up the stored files (at start-up); returns the total in bytes."""
-        self.used_bytes = sum(size for _path, size, _mtime in self._files())
+        sizes = [size for _path, size, _mtime in self._files()]
+        self.used_bytes, self.file_count = sum(sizes), len(sizes)
         return self.used_bytes
 
     def _files(self) -> Iterator[tuple[Path, int, float]]:
@@ -222,7 +224,7 @@ class ArchiveStore:
         try:
             size -= (await aiofiles.os.stat(final)).st_size  # replacing an older copy
         except FileNotFoundError:
-            pass
+            self.file_count += 1
         await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
         await aiofiles.os.replace(temp, final)
         self.used_bytes += size
@@ -241,6 +243,7 @@ class ArchiveStore:
             candidates = await asyncio.to_thread(lambda: sorted(self._files(),
                                                                 key=lambda f: f[2]))
             self.used_bytes = sum(size for _p, size, _m in candidates)
+            self.file_count = len(candidates)
             removed = 0
             for path, size, _mtime in candidates:
                 if self.used_bytes <= target:
@@ -250,6 +253,7 @@ class ArchiveStore:
                 await asyncio.to_thread(path.unlink, True)
                 self._touched.pop(path, None)
                 self.used_bytes -= size
+                self.file_count -= 1
                 removed += 1
                 log.info("evicted %s (%d bytes) to keep the cache under %d bytes",
                          path.relative_to(self.cache_dir), size, self.max_size)

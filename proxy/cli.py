@@ -15,13 +15,13 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy import __version__
+from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.tls import ensure_certificate, ssl_context
 
 log = logging.getLogger("proxy")
-_ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,8 +84,11 @@ def _serve(config: Config) -> int:
 
 async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | None) -> int:
     server = config.server
-    runner = web.AppRunner(create_app(config), access_log_format=_ACCESS_LOG_FORMAT,
-                           handle_signals=False)
+    access_class: type[PlainAccessLogger | JsonAccessLogger] = (
+        JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
+    access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
+    runner = web.AppRunner(create_app(config), handle_signals=False, access_log=access_logger,
+                           access_log_class=access_class)
     await runner.setup()
     # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]

@@ -75,8 +75,7 @@ class _Parser:
                                      defaults.git_timeout))
 
     def _server(self, table: dict[str, Any]) -> ServerConfig:
-        self._unknown(table, "server.", ("listen", "tls_cert", "tls_key", "public_url",
-                                         "log_level"))
+        self._unknown(table, "server.", ENV_KEYS["server"])
         defaults = ServerConfig()
         host, port = defaults.host, defaults.port
         listen = table.get("listen")
@@ -111,8 +110,14 @@ class _Parser:
         if level not in ("debug", "info", "warning", "error"):
             self.problems.append(
                 f"server.log_level: expected debug, info, warning or error, got {level!r}")
+        access_log = (self._str("server.access_log", table, "access_log") or "plain").lower()
+        if access_log not in ("plain", "json", "off"):
+            self.problems.append(f"server.access_log: expected plain, json or off, got "
+                                 f"{access_log!r}")
+            access_log = "plain"
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
-                            public_url=public_url or None, log_level=level)
+                            public_url=public_url or None, log_level=level,
+                            access_log=access_log)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
+import asyncio
 import logging
+import os
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
-from proxy.archives import ArchiveStore, GrowingFile
+from proxy.archives import ArchiveStore
 from proxy.config import Config
-from proxy.errors import NotFound, ProxyError
+from proxy.errors import NotFound
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
 from proxy.models import ModuleAddress, ProviderAddress, parse_module_version, parse_version
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
+from proxy.responses import json_response, send_file
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -29,15 +28,29 @@ ARCHIVES_KEY = web.AppKey("archives", ArchiveStore)
 CONFIG_KEY = web.AppKey("config", Config)
 
 
-def json_response(document: dict[str, Any]) -> web.Response:
-    """Serialize a protocol document as application/json."""
-    return web.Response(body=json.dumps(document, separators=(",", ":")).encode(),
-                        content_type="application/json")
-
-
 async def healthz(_request: web.Request) -> web.Response:
     """Liveness: the process answers."""
     return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the configuration is loaded and the cache directory takes writes."""
+    if ARCHIVES_KEY not in request.app:
+        return json_response({"errors": ["still starting"]}, status=503)
+    problem = await asyncio.to_thread(_cache_write_problem, request.app[ARCHIVES_KEY].tmp)
+    if problem:
+        return json_response({"errors": [problem]}, status=503)
+    return json_response({"status": "ready"})
+
+
+def _cache_write_problem(directory: Path) -> str | None:
+    probe = directory / f".readyz-{os.getpid()}"
+    try:
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"cache directory {directory} is not writable: {exc.strerror}"
+    return None
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -61,35 +74,9 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         return json_response(await mirror.version_document(provider, version))
     if name.endswith(".zip"):
         source = await mirror.archive(provider, name)
-        return await send_file(request, source, "application/zip")
+        return await send_file(request, source, "application/zip", request.app[ARCHIVES_KEY],
+                               request.app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
-
-
-async def send_file(request: web.Request, source: Path | GrowingFile,
-                    content_type: str) -> web.StreamResponse:
-    """A stored file by sendfile, or a download under way as its bytes arrive. A download
-    that fails verification ends the connection mid-body: never a clean end of bad bytes."""
-    store = request.app[ARCHIVES_KEY]
-    if isinstance(source, GrowingFile) and request.method == "HEAD":
-        source = await source.wait_done()  # noqa: ASYNC240 - not a pathlib call
-    if isinstance(source, Path):
-        store.touch(source)
-        return _InUseFileResponse(source, store, headers={"Content-Type": content_type})
-    streamed = web.StreamResponse(headers={"Content-Type": content_type})
-    if source.size is not None:
-        streamed.content_length = source.size
-    await streamed.prepare(request)
-    try:
-        async with contextlib.aclosing(source.chunks()) as chunks:
-            async for chunk in chunks:
-                await streamed.write(chunk)
-    except ProxyError as exc:
-        log.warning("aborting %s mid-body: %s", request.path, exc.message)
-        if request.transport is not None:
-            request.transport.close()
-        return streamed
-    await streamed.write_eof()
-    return streamed
 
 
 def public_base(request: web.Request) -> str:
@@ -136,26 +123,15 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
         return response
     if action == f"{module.name}-{module.system}-{version}.tar.gz":
         path = await registry.archive(module, version)
-        return await send_file(request, path, "application/gzip")
+        return await send_file(request, path, "application/gzip", request.app[ARCHIVES_KEY],
+                               request.app[METRICS_KEY].served_bytes.labels("module"))
     raise NotFound(f"no such module document {action[:120]!r}")
-
-
-class _InUseFileResponse(web.FileResponse):
-    """sendfile, with the file marked in use while it is sent (eviction leaves it alone)."""
-
-    def __init__(self, path: Path, store: ArchiveStore, headers: dict[str, str]) -> None:
-        super().__init__(path, headers=headers)
-        self._in_use_path = path
-        self._store = store
-
-    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        with self._store.using(self._in_use_path):
-            return await super().prepare(request)
 
 
 def add_routes(app: web.Application) -> None:
     """Every route the proxy serves."""
     app.router.add_get("/healthz", healthz, name="healthz")
+    app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")
     app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
     app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,

@@ -32,6 +32,12 @@ class Metrics:
         self.integrity_failures = Counter(
             "tfproxy_integrity_failures", "Upstream artifacts that failed verification.",
             ["kind"], registry=self.registry)
+        self.served_bytes = Counter(
+            "tfproxy_served_bytes", "Package and module bytes sent to clients.",
+            ["kind"], registry=self.registry)
+        self.cache_files = Gauge(
+            "tfproxy_cache_files", "Packages and modules in the cache.",
+            registry=self.registry)
         self.evictions = Counter(
             "tfproxy_cache_evictions", "Files deleted to keep the cache under its size limit.",
             registry=self.registry)

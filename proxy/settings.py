@@ -43,6 +43,7 @@ class ServerConfig:
     tls_key: Path | None = None
     public_url: str | None = None
     log_level: str = "info"
+    access_log: str = "plain"  # "plain", "json" or "off"
 
     @property
     def base_url(self) -> str:
@@ -155,7 +156,7 @@ class Config:
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
 ENV_KEYS = {
-    "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level"),
+    "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log"),
     "cache": ("dir", "max_size"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

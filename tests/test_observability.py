@@ -1,0 +1,99 @@
+"""Health, readiness, access logs and metrics as operators see them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, make_mocked_request
+
+from proxy.access_log import (
+    CACHE_RESULT_KEY,
+    JsonAccessLogger,
+    PlainAccessLogger,
+    mask_secrets,
+)
+from proxy.app import create_app
+from proxy.config import Config
+from tests.support.fake_registry import FakeRegistry
+from tests.test_mirror import BASE, ZIP, metric
+
+
+@pytest.fixture
+async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
+    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
+
+
+async def test_readyz(client: TestClient) -> None:
+    response = await client.get("/readyz")
+    assert response.status == 200
+    assert await response.json() == {"status": "ready"}
+
+
+async def test_readyz_fails_when_the_cache_takes_no_writes(client: TestClient,
+                                                            proxy_config: Config) -> None:
+    tmp = proxy_config.cache.dir / "tmp"
+    shutil.rmtree(tmp)
+    tmp.write_text("not a directory")  # unwritable even for root
+    response = await client.get("/readyz")
+    assert response.status == 503
+    assert "not writable" in (await response.json())["errors"][0]
+
+
+@pytest.mark.parametrize(("given", "masked"), [
+    ("/a.zip?exp=1&sig=abcdef", "/a.zip?exp=1&sig=***"),
+    ("/a?X-Amz-Signature=zzz&X-Amz-Credential=c&ok=1",
+     "/a?X-Amz-Signature=***&X-Amz-Credential=***&ok=1"),
+    ("/a?token=t", "/a?token=***"),
+    ("/plain/path", "/plain/path"),
+])
+def test_access_log_masks_credentials(given: str, masked: str) -> None:
+    assert mask_secrets(given) == masked
+
+
+def test_access_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    request = make_mocked_request("GET", "/mirror/x/y/z/a.zip?sig=secret")
+    request[CACHE_RESULT_KEY] = "hit"
+    response = web.Response(body=b"12345")
+    caplog.set_level(logging.INFO, logger="proxy.access")
+    JsonAccessLogger(logging.getLogger("proxy.access"), "").log(request, response, 0.0123)
+    PlainAccessLogger(logging.getLogger("proxy.access"), "").log(request, response, 0.0123)
+    first = json.loads(caplog.records[0].getMessage())
+    assert first["path"] == "/mirror/x/y/z/a.zip?sig=***"
+    assert (first["method"], first["status"], first["cache"]) == ("GET", 200, "hit")
+    assert first["duration_ms"] == 12.3
+    plain = caplog.records[1].getMessage()
+    assert '"GET /mirror/x/y/z/a.zip?sig=***" 200' in plain and "cache=hit" in plain
+    assert "secret" not in caplog.text
+
+
+async def test_metrics_move_and_pass_promtool(client: TestClient,
+                                              registry: FakeRegistry) -> None:
+    await (await client.get(f"{BASE}/{ZIP}")).read()     # miss: fill
+    await (await client.get(f"{BASE}/{ZIP}")).read()     # hit
+    registry.faults.add("badsig")
+    await client.get("/mirror/registry.terraform.io/hashicorp/random/3.6.0.json")
+    registry.faults.clear()
+    text = await (await client.get("/metrics")).text()
+    size = len(registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"])
+    assert metric(text, "tfproxy_served_bytes_total", kind="package") == 2 * size
+    assert metric(text, "tfproxy_cache_lookups_total", kind="archive", result="hit") == 1
+    assert metric(text, "tfproxy_cache_lookups_total", kind="archive", result="miss") == 1
+    assert metric(text, "tfproxy_integrity_failures_total", kind="signature") == 1
+    assert metric(text, "tfproxy_upstream_requests_total", host="registry.terraform.io",
+                  outcome="ok") > 0
+    assert metric(text, "tfproxy_cache_files") == 1
+    assert metric(text, "tfproxy_cache_size_bytes") == size
+    assert metric(text, "tfproxy_upstream_fetched_bytes_total", kind="package") == size
+    # Labels stay bounded: no version, provider, os or arch anywhere.
+    for forbidden in ("3.2.1", "hashicorp", "linux", "amd64", "null"):
+        assert forbidden not in text
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is needed: see README"
+    checked = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
+                             capture_output=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
