@@ -11,6 +11,7 @@ from aiohttp import web
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import Config
+from proxy.filters import Filters
 from proxy.handlers import (
     ARCHIVES_KEY,
     CONFIG_KEY,
@@ -60,8 +61,9 @@ def create_app(config: Config) -> web.Application:
         session = make_session(config.upstream, egress)
         http = UpstreamHTTP(session, config.upstream, metrics, egress)
         discovery = Discovery(http, config.upstream)
+        filters = Filters(config.filters)
         mirror = ProviderMirror(ProviderRegistryClient(http, discovery), cache, archives,
-                                config.upstream, metrics)
+                                config.upstream, metrics, filters)
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)

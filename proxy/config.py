@@ -24,6 +24,7 @@ from proxy.settings import (
     CacheConfig,
     Config,
     ConfigError,
+    FiltersConfig,
     ModulesConfig,
     Secret,
     ServerConfig,
@@ -34,8 +35,9 @@ from proxy.settings import (
 )
 
 __all__ = ["CONFIG_ENV", "DEFAULT_ALLOWED_HOSTS", "KNOWN_SERVICES", "CacheConfig", "Config",
-           "ConfigError", "ModulesConfig", "Secret", "ServerConfig", "UpstreamConfig",
-           "UpstreamHostConfig", "default_cache_dir", "load_config", "parse_size"]
+           "ConfigError", "FiltersConfig", "ModulesConfig", "Secret", "ServerConfig",
+           "UpstreamConfig", "UpstreamHostConfig", "default_cache_dir", "load_config",
+           "parse_size"]
 
 
 def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:

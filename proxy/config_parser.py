@@ -17,6 +17,7 @@ from proxy.settings import (
     CacheConfig,
     Config,
     ConfigError,
+    FiltersConfig,
     ModulesConfig,
     Secret,
     ServerConfig,
@@ -40,7 +41,7 @@ class _Parser:
         self.problems = list(problems)
 
     def config(self) -> Config:
-        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules"))
+        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
         self._unknown(cache_table, "cache.", ENV_KEYS["cache"])
@@ -51,9 +52,23 @@ class _Parser:
                             or default_cache_dir(), max_size=max_size)
         upstream = self._upstream(self._table(self.raw, "upstream"))
         modules = self._modules(self._table(self.raw, "modules"), upstream)
+        filters = self._filters(self._table(self.raw, "filters"))
         if self.problems:
             raise ConfigError(self.problems)
-        return Config(server=server, cache=cache, upstream=upstream, modules=modules)
+        return Config(server=server, cache=cache, upstream=upstream, modules=modules,
+                      filters=filters)
+
+    def _filters(self, table: dict[str, Any]) -> FiltersConfig:
+        keys = ("providers", "exclude_providers", "modules", "exclude_modules", "platforms")
+        self._unknown(table, "filters.", keys)
+        lists: dict[str, tuple[str, ...]] = {}
+        for key in keys:
+            value = table.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                self.problems.append(f"filters.{key}: expected a list of glob patterns")
+                value = []
+            lists[key] = tuple(value)
+        return FiltersConfig(**lists)
 
     def _modules(self, table: dict[str, Any], upstream: UpstreamConfig) -> ModulesConfig:
         self._unknown(table, "modules.", ENV_KEYS["modules"])

@@ -17,6 +17,7 @@ from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import Config
 from proxy.errors import NotFound
+from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
 from proxy.models import ModuleAddress
@@ -43,6 +44,7 @@ class ModuleRegistry:
         self._config = config
         self._metrics = metrics
         self._git_ca_file = git_ca_file
+        self._filters = Filters(config.filters)
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
             encode=list, decode=list, offline=config.upstream.offline)
@@ -57,6 +59,8 @@ class ModuleRegistry:
     def _require_served(self, module: ModuleAddress) -> None:
         if not self._config.upstream.serves(module.hostname):
             raise NotFound(f"host {module.hostname} is not served by this proxy")
+        if not self._filters.module_allowed(module):
+            raise NotFound(f"module {module} is not served by this proxy (filters)")
 
     # --- protocol operations -------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from proxy.archives import ArchiveStore, GrowingFile
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
+from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.hashes import h1_of_zip, zh_hash
 from proxy.metrics import Metrics
@@ -51,8 +52,10 @@ class ProviderMirror:
     """Answers network mirror requests; fetches, verifies and stores on a miss."""
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
-                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics) -> None:
+                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics,
+                 filters: Filters | None = None) -> None:
         self._registry = registry
+        self._filters = filters or Filters()
         self._cache = cache
         self._archives = archives
         self._config = config
@@ -85,6 +88,8 @@ class ProviderMirror:
         # Checked before the cache too: a host dropped from the config is not served from disk.
         if not self._config.serves(provider.hostname):
             raise NotFound(f"host {provider.hostname} is not served by this proxy")
+        if not self._filters.provider_allowed(provider):
+            raise NotFound(f"{provider} is not served by this proxy (filters)")
 
     # --- protocol operations -------------------------------------------------------------
 
@@ -115,6 +120,9 @@ class ProviderMirror:
         entry = await self._version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
+        platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
+        if not platforms:
+            raise NotFound(f"{provider} {version} is not served for any platform (filters)")
         limit = asyncio.Semaphore(_PLATFORM_FETCH_CONCURRENCY)
 
         async def one(platform: Platform) -> VerifiedPackage:
@@ -124,11 +132,10 @@ class ProviderMirror:
             async with limit:
                 return await self._package(provider, version, platform)
 
-        results = await asyncio.gather(*(one(p) for p in entry.platforms),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(one(p) for p in platforms), return_exceptions=True)
         archives: dict[str, Any] = {}
         failures: list[ProxyError] = []
-        for platform, result in zip(entry.platforms, results, strict=True):
+        for platform, result in zip(platforms, results, strict=True):
             if isinstance(result, IntegrityError) and result.kind == "signature":
                 raise result
             if isinstance(result, BaseException):
@@ -159,6 +166,8 @@ class ProviderMirror:
         under way (shared by every caller), which is published only once verified."""
         self._require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
+        if not self._filters.platform_allowed(platform):
+            raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
         path = await self._stored(provider, version, platform)
         if path is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()

@@ -145,6 +145,17 @@ class ModulesConfig:
 
 
 @dataclass(frozen=True)
+class FiltersConfig:
+    """Optional globs limiting what is served (see proxy.filters)."""
+
+    providers: tuple[str, ...] = ()
+    exclude_providers: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    platforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
@@ -152,6 +163,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     modules: ModulesConfig = field(default_factory=ModulesConfig)
+    filters: FiltersConfig = field(default_factory=FiltersConfig)
 
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
