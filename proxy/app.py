@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.archives import ArchiveStore
+from proxy.auth import SIGNER_KEY, auth_middleware, load_signing_key
 from proxy.cache import MetadataCache
 from proxy.config import Config
 from proxy.filters import Filters
@@ -30,6 +31,7 @@ from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.url_signing import UrlSigner
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 def create_app(config: Config) -> web.Application:
     """Build the application; long-lived resources open and close with it (cleanup_ctx)."""
     metrics = Metrics()
-    app = web.Application(middlewares=[error_middleware(metrics)])
+    app = web.Application(middlewares=[error_middleware(metrics), auth_middleware(config.auth)])
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
     add_routes(app)
@@ -67,6 +69,9 @@ def create_app(config: Config) -> web.Application:
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)
+        if config.auth.enabled:
+            key = await asyncio.to_thread(load_signing_key, cache_dir / "tls" / "url-signing.key")
+            app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
         app[ARCHIVES_KEY] = archives
         app[MIRROR_KEY] = mirror
         app[MODULES_KEY] = modules

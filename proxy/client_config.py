@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from proxy.config import Config
 
@@ -38,6 +39,13 @@ def render_client_config(config: Config, ca_file: Path | None) -> str:
         "  }",
         "}",
     ]
+    if config.auth.enabled:
+        # Through a `host` block, clients send the token they hold for the original name,
+        # so the proxy's token goes under every name that leads to it.
+        lines += ["", "# The proxy requires a token: put one of its auth.tokens in each block",
+                  "# (or set the TF_TOKEN_ variables for these host names)."]
+        for host in [urlsplit(base).netloc, *sorted(config.upstream.all_hosts)]:
+            lines += [f'credentials "{host}" {{', '  token = "REPLACE-WITH-YOUR-TOKEN"', "}"]
     for host in sorted(config.upstream.all_hosts):
         lines += [
             "",

@@ -14,6 +14,7 @@ from proxy.models import normalize_hostname
 from proxy.settings import (
     ENV_KEYS,
     KNOWN_SERVICES,
+    AuthConfig,
     CacheConfig,
     Config,
     ConfigError,
@@ -41,7 +42,8 @@ class _Parser:
         self.problems = list(problems)
 
     def config(self) -> Config:
-        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters"))
+        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters",
+                                     "auth"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
         self._unknown(cache_table, "cache.", ENV_KEYS["cache"])
@@ -53,10 +55,36 @@ class _Parser:
         upstream = self._upstream(self._table(self.raw, "upstream"))
         modules = self._modules(self._table(self.raw, "modules"), upstream)
         filters = self._filters(self._table(self.raw, "filters"))
+        auth = self._auth(self._table(self.raw, "auth"))
         if self.problems:
             raise ConfigError(self.problems)
         return Config(server=server, cache=cache, upstream=upstream, modules=modules,
-                      filters=filters)
+                      filters=filters, auth=auth)
+
+    def _auth(self, table: dict[str, Any]) -> AuthConfig:
+        self._unknown(table, "auth.", ("tokens", "tokens_file", "signed_url_ttl"))
+        tokens = table.get("tokens", [])
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            self.problems.append("auth.tokens: expected a list of strings")
+            tokens = []
+        tokens_file = self._path("auth.tokens_file", table, "tokens_file")
+        if tokens_file is not None:
+            try:
+                lines = tokens_file.read_text().splitlines()
+            except OSError as exc:
+                self.problems.append(f"auth.tokens_file: cannot read {str(tokens_file)!r}: "
+                                     f"{exc.strerror}")
+                lines = []
+            tokens += [line.strip() for line in lines
+                       if line.strip() and not line.lstrip().startswith("#")]
+        for token in tokens:
+            if len(token) < 16 or not token.isprintable() or " " in token:
+                self.problems.append("auth.tokens: every token must be at least 16 printable "
+                                     "characters without spaces")
+                break
+        ttl = self._number("auth.signed_url_ttl", table, "signed_url_ttl",
+                           AuthConfig().signed_url_ttl)
+        return AuthConfig(tokens=tuple(Secret(t) for t in tokens), signed_url_ttl=ttl)
 
     def _filters(self, table: dict[str, Any]) -> FiltersConfig:
         keys = ("providers", "exclude_providers", "modules", "exclude_modules", "platforms")

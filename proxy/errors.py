@@ -19,6 +19,12 @@ class BadRequest(ProxyError):
     status = 400
 
 
+class Unauthorized(ProxyError):
+    """The client did not authenticate (or its signed URL is invalid or expired)."""
+
+    status = 401
+
+
 class NotFound(ProxyError):
     """The proxy cannot serve this address (unknown host, provider, version or file)."""
 

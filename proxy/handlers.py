@@ -10,6 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy.archives import ArchiveStore
+from proxy.auth import SIGNER_KEY
 from proxy.config import Config
 from proxy.errors import NotFound
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -71,7 +72,13 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         return json_response(await mirror.list_versions(provider))
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
-        return json_response(await mirror.version_document(provider, version))
+        document = await mirror.version_document(provider, version)
+        signer = request.app.get(SIGNER_KEY)
+        if signer is not None:  # archives are fetched without credentials: sign their URLs
+            directory = request.path.rsplit("/", 1)[0]
+            for archive in document["archives"].values():
+                archive["url"] += "?" + signer.query(f"{directory}/{archive['url']}")
+        return json_response(document)
     if name.endswith(".zip"):
         source = await mirror.archive(provider, name)
         return await send_file(request, source, "application/zip", request.app[ARCHIVES_KEY],
@@ -115,8 +122,12 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
     registry = request.app[MODULES_KEY]
     if action == "download":
         await registry.archive(module, version)
-        location = (f"{public_base(request)}{MODULES_PREFIX.lstrip('/')}{module}/{version}/"
-                    f"{module.name}-{module.system}-{version}.tar.gz")
+        archive_path = (f"{MODULES_PREFIX}{module}/{version}/"
+                        f"{module.name}-{module.system}-{version}.tar.gz")
+        location = public_base(request) + archive_path.lstrip("/")
+        signer = request.app.get(SIGNER_KEY)
+        if signer is not None:
+            location += "?" + signer.query(archive_path)
         # Terraform reads the header (204 or 200), OpenTofu the JSON body of a 200.
         response = json_response({"location": location})
         response.headers["X-Terraform-Get"] = location

@@ -57,6 +57,9 @@ def error_middleware(metrics: Metrics) -> Middleware:
                 log.warning("%s %s -> %d: %s", request.method, request.path, exc.status,
                             exc.message)
             response = json_error(exc.status, exc.message)
+            if exc.status == 401:
+                response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'
+
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -145,6 +145,19 @@ class ModulesConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """Optional client authentication: bearer tokens for metadata, signed archive URLs."""
+
+    tokens: tuple[Secret, ...] = ()
+    signed_url_ttl: float = 3600.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether clients must authenticate."""
+        return bool(self.tokens)
+
+
+@dataclass(frozen=True)
 class FiltersConfig:
     """Optional globs limiting what is served (see proxy.filters)."""
 
@@ -164,6 +177,7 @@ class Config:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     modules: ModulesConfig = field(default_factory=ModulesConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.

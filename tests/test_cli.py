@@ -227,3 +227,12 @@ def test_healthcheck(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_client_config_with_auth_names_every_host_for_credentials(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[auth]\ntokens = ["abcdefghijklmnopqrstuvwxyz"]\n')
+    text = render_client_config(load_config(config_file, environ={}), None)
+    for host in ("127.0.0.1:8443", "registry.terraform.io", "registry.opentofu.org"):
+        assert f'credentials "{host}" {{\n  token = "REPLACE-WITH-YOUR-TOKEN"\n}}' in text
+    assert "abcdefghijklmnopqrstuvwxyz" not in text

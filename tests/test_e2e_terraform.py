@@ -158,3 +158,24 @@ module "direct" {{
     assert result.retcode == 0, result.output
     assert (again / ".terraform/modules/net/shared/main.tf").exists()
     assert registry.requests == []
+
+
+def test_terraform_through_a_proxy_that_requires_a_token(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    token = "e2e-client-token-0123456789"
+    port = free_port()
+    cache = tmp_path / "cache"
+    config = write_config(cache_dir=cache, port=port, extra=f'[auth]\ntokens = ["{token}"]\n')
+    with ProxyProcess(config, cache, port, tmp_path / "proxy.log") as proxy:
+        denied, env = client_setup(tmp_path, proxy, "denied", MODULE_ROOT)
+        result = terraform_init(denied, env)
+        assert result.retcode != 0
+        assert "401" in result.output or "Unauthorized" in result.output
+
+        workdir, env = client_setup(tmp_path, proxy, "allowed", MODULE_ROOT)
+        cli_config = Path(env["TF_CLI_CONFIG_FILE"])
+        cli_config.write_text(cli_config.read_text().replace("REPLACE-WITH-YOUR-TOKEN", token))
+        result = terraform_init(workdir, env)
+        assert result.retcode == 0, result.output
+        assert (workdir / ".terraform/modules/tarball/main.tf").exists()
+        assert (workdir / ".terraform/modules/net/shared/main.tf").exists()

@@ -1,0 +1,72 @@
+"""Optional client authentication. Metadata (mirror and module documents) needs a bearer
+token; archives need a signed, expiring URL (which the metadata hands out) or a token;
+health, readiness, discovery and metrics stay anonymous (clients treat a 401 on discovery as
+fatal)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from proxy.errors import Unauthorized
+from proxy.settings import AuthConfig
+from proxy.url_signing import EXPIRES, SIGNATURE, UrlSigner
+
+SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
+_ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
+_ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
+
+
+def load_signing_key(path: Path) -> bytes:
+    """The URL signing key, created (0600) on first use; kept so that URLs handed out stay
+    valid across restarts and across processes sharing the cache."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        temp = path.with_suffix(".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(key)
+        os.replace(temp, path)
+        return key
+
+
+def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not presented:
+        return False
+    given = presented.strip().encode()
+    # Compare against every token, so the time taken does not say which one nearly matched.
+    return sum(hmac.compare_digest(given, token) for token in tokens) > 0
+
+
+def auth_middleware(config: AuthConfig) -> Middleware:
+    """Enforce client authentication when tokens are configured."""
+    tokens = tuple(t.value.encode() for t in config.tokens)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = getattr(request.match_info.route, "name", None)
+        if not config.enabled or route in _ANONYMOUS_ROUTES or route is None:
+            return await handler(request)
+        if _bearer_ok(request, tokens):
+            return await handler(request)
+        if request.path.endswith(_ARCHIVE_SUFFIXES):
+            signer = request.app[SIGNER_KEY]
+            if signer.valid(request.path, request.query.get(EXPIRES),
+                            request.query.get(SIGNATURE)):
+                return await handler(request)
+            raise Unauthorized("this archive URL is not validly signed or has expired: ask "
+                               "for the version document again")
+        raise Unauthorized("a bearer token is required (Terraform: a credentials block or "
+                           "TF_TOKEN_ variable for this proxy's hostname)")
+
+    return middleware

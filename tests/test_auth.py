@@ -1,0 +1,91 @@
+"""Optional client authentication: bearer tokens for metadata, signed URLs for archives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from proxy.app import create_app
+from proxy.config import ConfigError, load_config
+from proxy.url_signing import UrlSigner
+from tests.support.fake_registry import FakeRegistry
+from tests.test_mirror import BASE, ZIP
+
+TOKEN = "client-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_url_signer() -> None:
+    signer = UrlSigner(b"k" * 32, ttl=60)
+    query = parse_qs(signer.query("/a/b.zip", now=1000))
+    expires, sig = query["expires"][0], query["sig"][0]
+    assert expires == "1060"
+    assert signer.valid("/a/b.zip", expires, sig, now=1059)
+    assert not signer.valid("/a/b.zip", expires, sig, now=1061)           # expired
+    assert not signer.valid("/a/c.zip", expires, sig, now=1000)           # other path
+    assert not signer.valid("/a/b.zip", "1070", sig, now=1000)            # extended expiry
+    assert not signer.valid("/a/b.zip", expires, "0" * 64, now=1000)      # forged
+    assert not signer.valid("/a/b.zip", None, None)
+    assert not UrlSigner(b"x" * 32, 60).valid("/a/b.zip", expires, sig, now=1000)
+
+
+def test_auth_config(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(f"# CI runners\n{TOKEN}\n\nsecond-token-abcdefghij\n")
+    path = tmp_path / "c.toml"
+    path.write_text(f'[auth]\ntokens_file = "{tokens_file}"\nsigned_url_ttl = 600\n')
+    auth = load_config(path, environ={}).auth
+    assert auth.enabled and len(auth.tokens) == 2 and auth.signed_url_ttl == 600
+    assert TOKEN not in repr(auth)
+    path.write_text('[auth]\ntokens = ["short"]\n')
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_config(path, environ={})
+
+
+@pytest.fixture
+async def client(aiohttp_client, write_config: Callable[..., Path]) -> TestClient:  # type: ignore[no-untyped-def]
+    config = load_config(write_config(extra=f'[auth]\ntokens = ["{TOKEN}"]\n'), environ={})
+    return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
+
+
+async def test_metadata_needs_a_token(client: TestClient, registry: FakeRegistry) -> None:
+    for path in (f"{BASE}/index.json", f"{BASE}/3.2.1.json",
+                 "/modules/registry.terraform.io/acme/tarball/aws/versions",
+                 "/modules/registry.terraform.io/acme/tarball/aws/1.0.0/download"):
+        response = await client.get(path)
+        assert response.status == 401, path
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+        assert "bearer token" in (await response.json())["errors"][0]
+        wrong = await client.get(path, headers={"Authorization": "Bearer nope-nope-nope-nope"})
+        assert wrong.status == 401
+    assert registry.requests == []  # refused before any upstream work
+    for path in ("/healthz", "/readyz", "/.well-known/terraform.json", "/metrics"):
+        assert (await client.get(path)).status == 200, path
+
+
+async def test_archives_need_a_valid_signature(client: TestClient) -> None:
+    document = await (await client.get(f"{BASE}/3.2.1.json", headers=AUTH)).json()
+    url = document["archives"]["linux_amd64"]["url"]
+    assert url.startswith(ZIP + "?") and "sig=" in url
+    signed = f"{BASE}/{url}"
+    response = await client.get(signed)  # no token: the signature is the credential
+    assert response.status == 200
+    assert await response.read()
+    assert (await client.get(f"{BASE}/{ZIP}")).status == 401
+    assert (await client.get(signed.replace("sig=", "sig=0"))).status == 401
+    other = signed.replace("linux_amd64", "darwin_arm64")
+    assert (await client.get(other)).status == 401   # a signature is for one path only
+    assert (await client.get(f"{BASE}/{ZIP}", headers=AUTH)).status == 200
+
+
+async def test_module_location_is_signed(client: TestClient) -> None:
+    module = "/modules/registry.terraform.io/acme/tarball/aws/1.0.0"
+    body = await (await client.get(f"{module}/download", headers=AUTH)).json()
+    location = urlsplit(body["location"])
+    assert "sig=" in location.query and location.path.endswith(".tar.gz")
+    assert (await client.get(f"{location.path}?{location.query}")).status == 200
+    assert (await client.get(location.path)).status == 401
