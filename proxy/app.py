@@ -55,6 +55,7 @@ def create_app(config: Config) -> web.Application:
         used = await asyncio.to_thread(archives.measure)
         metrics.cache_bytes.set_function(lambda: archives.used_bytes)
         metrics.cache_files.set_function(lambda: archives.file_count)
+        metrics.cache_max_bytes.set(config.cache.max_size or 0)
         log.info("cache holds %d bytes of packages and modules", used)
         if config.cache.max_size is not None and used > config.cache.max_size:
             await archives.evict()

@@ -38,6 +38,9 @@ class Metrics:
         self.cache_files = Gauge(
             "tfproxy_cache_files", "Packages and modules in the cache.",
             registry=self.registry)
+        self.cache_max_bytes = Gauge(
+            "tfproxy_cache_max_size_bytes", "The cache's size limit (0: none).",
+            registry=self.registry)
         self.evictions = Counter(
             "tfproxy_cache_evictions", "Files deleted to keep the cache under its size limit.",
             registry=self.registry)
