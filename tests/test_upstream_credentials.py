@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Secret, load_config
+from tests.support.connect_proxy import ConnectProxy
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP
 
@@ -73,3 +74,27 @@ async def test_token_does_not_follow_a_redirect_to_another_host(
     assert registry.authorizations[0] == ("/v1/providers/hashicorp/null/versions",
                                           "Bearer s3cret")
     assert registry.authorizations[1][1] is None
+
+
+async def test_outbound_traffic_goes_through_https_proxy(
+        aiohttp_client, proxy_config, registry: FakeRegistry,  # type: ignore[no-untyped-def]
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    tunnel = await ConnectProxy().start()
+    try:
+        for name in ("NO_PROXY", "no_proxy", "https_proxy", "HTTP_PROXY", "http_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{tunnel.port}")
+        client: TestClient = await aiohttp_client(create_app(proxy_config))
+        response = await client.get(f"{BASE}/{ZIP}")
+        assert await response.read() == registry.releases[
+            ("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+        assert tunnel.targets and set(tunnel.targets) == {f"127.0.0.1:{registry.port}"}
+
+        # NO_PROXY exempts hosts, as usual.
+        tunnel.targets.clear()
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert (await client.get("/mirror/registry.terraform.io/hashicorp/random/index.json")
+                ).status == 200
+        assert tunnel.targets == []
+    finally:
+        await tunnel.stop()

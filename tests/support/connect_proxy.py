@@ -1,0 +1,56 @@
+"""A minimal HTTPS_PROXY (HTTP CONNECT tunnel) that records where it was asked to go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class ConnectProxy:
+    """Runs in the caller's event loop on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> ConnectProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = (await reader.readline()).decode("latin-1").split()
+            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                pass
+            if len(request) < 2 or request[0] != "CONNECT":
+                writer.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+                return
+            self.targets.append(request[1])
+            host, _, port = request[1].rpartition(":")
+            upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+            await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
