@@ -81,6 +81,7 @@ def create_app(config: Config) -> web.Application:
         finally:
             await modules.close()
             await mirror.close()
+            archives.close()
             await close_session(session)
             cache.close()
 

@@ -6,6 +6,7 @@ limit, least recently used first, never deleting a file in use."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, S
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import aiofiles
 import aiofiles.os
@@ -127,8 +129,13 @@ class ArchiveStore:
     def __init__(self, cache_dir: Path, max_size: int | None = None,
                  on_evict: Callable[[int, int], None] | None = None) -> None:
         self.cache_dir = cache_dir
-        self.tmp = cache_dir / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        # Each process writes under its own locked directory, so that processes sharing the
+        # cache (workers, or a restarted one) sweep only what dead processes left behind.
+        self.tmp_root = cache_dir / "tmp"
+        self.tmp_root.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"p{os.getpid()}-", dir=self.tmp_root))
+        self._tmp_lock = open(self.tmp / _LOCK_NAME, "wb")
+        fcntl.flock(self._tmp_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.max_size = max_size
         self.used_bytes = 0
         self.file_count = 0
@@ -137,16 +144,32 @@ class ArchiveStore:
         self._touched: dict[Path, float] = {}
         self._evicting = asyncio.Lock()
 
+    def close(self) -> None:
+        """Remove this process's temp directory (a clean shutdown)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self._tmp_lock.close()
+
     def sweep_temp(self) -> int:
-        """Delete leftovers of fills that never finished (a crash); returns how many."""
+        """Delete what processes that died mid-fill left behind (their temp directories are
+        no longer locked); returns how many entries went. Live processes' files stay."""
         removed = 0
-        for leftover in self.tmp.iterdir():
+        for leftover in self.tmp_root.iterdir():
+            if leftover in (self.tmp, self.tmp_root / _LOCKS):
+                continue  # lock files must outlive any one process: never swept
             if leftover.is_dir() and not leftover.is_symlink():
+                if _held_by_a_live_process(leftover / _LOCK_NAME):
+                    continue
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)
             removed += 1
         return removed
+
+    def lock_path(self, key: str) -> Path:
+        """A lock file that serializes the fill of one artifact across processes."""
+        locks = self.tmp_root / _LOCKS
+        locks.mkdir(exist_ok=True)
+        return locks / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock")
 
     def measure(self) -> int:
         """Add up the stored files (at start-up); returns the total in bytes."""
@@ -299,6 +322,53 @@ class ArchiveStore:
         if progress is not None:
             progress.complete(final)
         return StoredArchive(final, size, actual, h1)
+
+
+_LOCK_NAME = ".owner.lock"
+_LOCKS = "locks"
+
+
+def _held_by_a_live_process(lock_file: Path) -> bool:
+    try:
+        with open(lock_file, "rb") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
+    except FileNotFoundError:
+        return False
+
+
+class FillLock:
+    """An exclusive, cross-process lock on one artifact's fill (flock on a lock file),
+    taken without blocking the event loop."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._handle: BinaryIO | None = None
+
+    async def __aenter__(self) -> FillLock:
+        handle = open(self._path, "ab")  # noqa: ASYNC230 - a tiny local file
+        try:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(0.05)  # another process fills it: wait our turn
+        except BaseException:
+            handle.close()
+            raise
+        self._handle = handle
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if self._handle is not None:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None
 
 
 def _utime_quietly(path: Path) -> None:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from proxy.archives import ArchiveStore
+from proxy.archives import ArchiveStore, FillLock
 from proxy.cache import MetadataCache
 from proxy.config import Config
 from proxy.errors import NotFound
@@ -97,6 +97,11 @@ class ModuleRegistry:
                 f"{version}.tar.gz"]
 
     async def _fill(self, module: ModuleAddress, version: str) -> Path:
+        # One fill per module version across the processes sharing the cache.
+        async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+            return await self._fill_locked(module, version)
+
+    async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
         parts = self._archive_parts(module, version)
         published = await self._archives.lookup(parts)  # a fill that just finished
         if published is not None:

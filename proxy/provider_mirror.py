@@ -15,7 +15,7 @@ from typing import Any
 
 import aiofiles.os
 
-from proxy.archives import ArchiveStore, GrowingFile
+from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
@@ -317,10 +317,17 @@ class ProviderMirror:
 
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
                             ready: asyncio.Future[Path | GrowingFile]) -> None:
-        published = await self._stored(provider, version, platform)  # a fill just finished
-        if published is not None:
-            ready.set_result(published)
-            return
+        lock = FillLock(self._archives.lock_path(f"{provider}/{version}/{platform.key}"))
+        async with lock:  # one fill per package across the processes sharing the cache
+            published = await self._stored(provider, version, platform)  # one just finished
+            if published is not None:
+                ready.set_result(published)
+                return
+            await self._download_archive(provider, version, platform, ready)
+
+    async def _download_archive(self, provider: ProviderAddress, version: str,
+                                platform: Platform,
+                                ready: asyncio.Future[Path | GrowingFile]) -> None:
         entry = await self._version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")

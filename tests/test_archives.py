@@ -11,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from proxy.archives import ArchiveStore, GrowingFile
+from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.errors import IntegrityError
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
+def leftovers(cache: Path) -> list[Path]:
+    """Temp files of unfinished fills anywhere under the cache's tmp directory."""
+    return [p for p in (cache / "tmp").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
 PARTS = ["archives", "registry.terraform.io", "hashicorp", "x", "1.0.0", "p.zip"]
 
 
@@ -32,7 +37,7 @@ async def test_store_publishes_verified_file(tmp_path: Path) -> None:
     assert stored.path.read_bytes() == ZIP
     assert stored.h1.startswith("h1:") and stored.size == len(ZIP)
     assert await store.lookup(PARTS) == stored.path
-    assert list(store.tmp.iterdir()) == []
+    assert leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize(("data", "fail_after", "error"), [
@@ -48,14 +53,23 @@ async def test_failed_store_publishes_nothing(tmp_path: Path, data: bytes,
     with pytest.raises(error):
         await store.store(PARTS, chunks(data, fail_after), expected)
     assert await store.lookup(PARTS) is None
-    assert list(store.tmp.iterdir()) == []
+    assert leftovers(tmp_path) == []
 
 
-def test_sweep_removes_leftovers(tmp_path: Path) -> None:
-    store = ArchiveStore(tmp_path)
-    (store.tmp / "abc.part").write_bytes(b"half")
-    assert store.sweep_temp() == 1
-    assert list(store.tmp.iterdir()) == []
+def test_sweep_removes_what_dead_processes_left_and_spares_live_ones(tmp_path: Path) -> None:
+    live = ArchiveStore(tmp_path)          # another process's store, still running
+    (live.tmp / "busy.part").write_bytes(b"in progress")
+    dead = tmp_path / "tmp" / "p999999-dead"
+    dead.mkdir()
+    (dead / ".owner.lock").write_bytes(b"")  # nobody holds it any more
+    (dead / "half.part").write_bytes(b"half")
+    (tmp_path / "tmp" / "old-format.part").write_bytes(b"half")
+    mine = ArchiveStore(tmp_path)
+    assert mine.sweep_temp() == 2
+    assert (live.tmp / "busy.part").exists()
+    assert not dead.exists()
+    live.close()
+    assert mine.sweep_temp() == 0 or not live.tmp.exists()
 
 
 @pytest.mark.parametrize("parts", [["..", "x"], ["a/b"], [""], ["ok", "."], ["a\\b"], []])
@@ -116,3 +130,19 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
             pass
     with pytest.raises(IntegrityError):
         await failing
+
+
+async def test_fill_lock_serializes_fills_across_holders(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    order: list[str] = []
+
+    async def fill(name: str, hold: float) -> None:
+        async with FillLock(store.lock_path("registry.terraform.io/x/y/1.0.0/linux_amd64")):
+            order.append(f"{name} in")
+            await asyncio.sleep(hold)
+            order.append(f"{name} out")
+
+    first = asyncio.create_task(fill("first", 0.2))
+    await asyncio.sleep(0.05)
+    await asyncio.gather(fill("second", 0), first)
+    assert order == ["first in", "first out", "second in", "second out"]

@@ -45,7 +45,7 @@ def test_sigkill_during_fills_then_restart_is_clean(
     for client in clients:
         client.start()
     deadline = time.monotonic() + 20
-    while not any(p.stat().st_size > 0 for p in (cache / "tmp").glob("*.part")):
+    while not any(p.stat().st_size > 0 for p in (cache / "tmp").rglob("*.part")):
         assert time.monotonic() < deadline, "no download started"
         time.sleep(0.01)
     assert proxy.process is not None
@@ -55,13 +55,13 @@ def test_sigkill_during_fills_then_restart_is_clean(
         client.join(timeout=30)
 
     assert completed == []                                  # no client took a cut body
-    assert list((cache / "tmp").glob("*.part"))            # it really died mid-download
+    assert list((cache / "tmp").rglob("*.part"))           # it really died mid-download
     assert not list((cache / "archives").rglob("*.zip"))   # and published nothing
 
     registry.faults.clear()
     registry.requests.clear()
     with ProxyProcess(config, cache, port, tmp_path / "proxy2.log") as restarted:
-        assert list((cache / "tmp").iterdir()) == []       # leftovers swept at start
+        assert list((cache / "tmp").rglob("*.part")) == []  # leftovers swept at start
         release = registry.releases[("hashicorp", "null", "3.2.1")]
         for platform in PLATFORMS:
             assert fetch(restarted, platform) == release.zips[platform]

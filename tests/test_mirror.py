@@ -120,7 +120,7 @@ async def test_corrupt_zip_is_refused_and_not_cached(
     with pytest.raises(aiohttp.ClientPayloadError):
         await response.read()
     assert not list((proxy_config.cache.dir / "archives").rglob("*.zip"))
-    assert not list((proxy_config.cache.dir / "tmp").iterdir())
+    assert not list((proxy_config.cache.dir / "tmp").rglob("*.part"))
     metrics = await (await client.get("/metrics")).text()
     assert metric(metrics, "tfproxy_integrity_failures_total", kind="checksum") == 1
 
