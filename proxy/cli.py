@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
 import signal
 import ssl
 import sys
@@ -79,10 +80,47 @@ def _serve(config: Config) -> int:
         where = (f"server.tls_cert {server.tls_cert} / server.tls_key {server.tls_key}"
                  if server.tls_cert else f"generated certificate under {config.cache.dir}/tls")
         return _fail(f"cannot load the serving certificate ({where}): {exc}")
+    if server.workers > 1:
+        return _serve_workers(config, certificate.ca)
     return asyncio.run(_run(config, context, certificate.ca))
 
 
-async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | None) -> int:
+def _serve_workers(config: Config, generated_ca: Path | None) -> int:
+    """N processes on one port (SO_REUSEPORT) sharing the disk cache; the parent forwards
+    SIGTERM/SIGINT and exits when they do."""
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
+                             name=f"worker-{index}") for index in range(config.server.workers)]
+    for worker in workers:
+        worker.start()
+
+    def stop(_signum: int, _frame: object) -> None:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("started %d worker processes", len(workers))
+    code = 0
+    for worker in workers:
+        worker.join()
+        if worker.exitcode not in (0, -signal.SIGTERM):
+            code = code or (worker.exitcode or 1)
+            stop(signal.SIGTERM, None)  # one failed: stop the others too
+    return code
+
+
+def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    certificate = ensure_certificate(config.server, config.cache.dir)
+    raise SystemExit(asyncio.run(_run(config, ssl_context(certificate), generated_ca,
+                                      reuse_port=True, announce=index == 0)))
+
+
+async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | None,
+               reuse_port: bool = False, announce: bool = True) -> int:
     server = config.server
     access_class: type[PlainAccessLogger | JsonAccessLogger] = (
         JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
@@ -94,16 +132,18 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
     try:
         for host in hosts:
-            await web.TCPSite(runner, host, server.port, ssl_context=context).start()
+            await web.TCPSite(runner, host, server.port, ssl_context=context,
+                              reuse_port=reuse_port or None).start()
     except OSError as exc:
         await runner.cleanup()
         return _fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
                      f"{exc.strerror or exc}")
-    if generated_ca is not None:
+    if generated_ca is not None and announce:
         log.info("serving with a generated certificate; clients trust it with "
                  "SSL_CERT_FILE=%s", generated_ca)
-    log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
-             server.port, server.base_url, config.cache.dir)
+    if announce:
+        log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
+                 server.port, server.base_url, config.cache.dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

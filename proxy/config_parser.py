@@ -158,9 +158,10 @@ class _Parser:
             self.problems.append(f"server.access_log: expected plain, json or off, got "
                                  f"{access_log!r}")
             access_log = "plain"
+        workers = self._whole("server.workers", table, "workers", 1)
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
-                            access_log=access_log)
+                            access_log=access_log, workers=workers)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
@@ -180,15 +181,8 @@ class _Parser:
             self.problems.append(f"upstream.mode: expected \"online\" or \"offline\", "
                                  f"got {mode!r}")
             mode = "online"
-        fills = table.get("max_concurrent_fills", 8)
-        try:
-            max_fills = int(fills)
-            if isinstance(fills, bool) or max_fills < 1 or str(max_fills) != str(fills).strip():
-                raise ValueError
-        except (TypeError, ValueError):
-            self.problems.append(f"upstream.max_concurrent_fills: expected a whole number of "
-                                 f"at least 1, got {fills!r}")
-            max_fills = 8
+        max_fills = self._whole("upstream.max_concurrent_fills", table,
+                                "max_concurrent_fills", 8)
         defaults = UpstreamConfig()
         ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
         if ca_bundle is not None:
@@ -303,6 +297,18 @@ class _Parser:
             return default
         if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
             self.problems.append(f"{where}: expected a positive number, got {value!r}")
+            return default
+        return number
+
+    def _whole(self, where: str, table: dict[str, Any], key: str, default: int) -> int:
+        value = table.get(key, default)
+        try:
+            number = int(value)
+            if isinstance(value, bool) or number < 1 or str(number) != str(value).strip():
+                raise ValueError
+        except (TypeError, ValueError):
+            self.problems.append(f"{where}: expected a whole number of at least 1, "
+                                 f"got {value!r}")
             return default
         return number
 

@@ -22,7 +22,9 @@ def free_port() -> int:
 class ProxyProcess:
     """Starts `python -m proxy serve --config FILE`, waits until /healthz answers over HTTPS."""
 
-    def __init__(self, config: Path, cache_dir: Path, port: int, log: Path) -> None:
+    def __init__(self, config: Path, cache_dir: Path, port: int, log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.extra_env = env or {}
         self.config = config
         self.cache_dir = cache_dir
         self.port = port
@@ -44,7 +46,7 @@ class ProxyProcess:
 
     def _env(self) -> dict[str, str]:
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.cache_dir),
-                "PYTHONUNBUFFERED": "1"}
+                "PYTHONUNBUFFERED": "1", **self.extra_env}
 
     def start(self) -> ProxyProcess:
         with open(self.log, "ab") as log:

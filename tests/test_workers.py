@@ -1,0 +1,43 @@
+"""Several worker processes on one port, sharing the cache: one upstream fetch per package,
+clean shutdown."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.support.fake_registry import FakeRegistry
+from tests.support.proxy_process import ProxyProcess, free_port
+from tests.test_crash_safety import PLATFORMS, fetch
+
+
+def test_workers_share_one_port_and_one_cache(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    port = free_port()
+    cache = tmp_path / "cache"
+    config = write_config(cache_dir=cache, port=port)
+    proxy = ProxyProcess(config, cache, port, tmp_path / "proxy.log",
+                         env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "3"})
+    with proxy:
+        assert proxy.process is not None
+        children = subprocess.run(["pgrep", "-P", str(proxy.process.pid)],
+                                  capture_output=True, text=True).stdout.split()
+        assert len(children) >= 3
+        release = registry.releases[("hashicorp", "null", "3.2.1")]
+        registry.faults.add("slowzip")  # keep fills open while the others arrive
+        with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+            jobs = [pool.submit(fetch, proxy, platform) for platform in PLATFORMS * 8]
+            results = [job.result(timeout=60) for job in jobs]
+        for platform, body in zip(PLATFORMS * 8, results, strict=True):
+            assert body == release.zips[platform]
+        # 24 requests spread over 3 processes: still one upstream download per package.
+        assert sorted(registry.archive_requests()) == sorted(
+            f"/files/hashicorp/null/3.2.1/{release.filename(p)}" for p in PLATFORMS)
+        proxy.stop()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in children):
+            assert time.monotonic() < deadline, "workers outlived the parent"
+            time.sleep(0.1)
