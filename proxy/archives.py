@@ -45,7 +45,7 @@ class StoredArchive:
     path: Path
     size: int
     sha256: str
-    h1: str
+    h1: str | None
 
 
 class GrowingFile:
@@ -307,10 +307,10 @@ class ArchiveStore:
             if actual != expected_sha256:
                 raise IntegrityError("checksum", f"package sha256 {actual} does not match the "
                                      f"signed checksum {expected_sha256}")
-            try:
-                h1 = await asyncio.to_thread(h1_of_zip, temp)
-            except (zipfile.BadZipFile, ValueError, OSError) as exc:
-                raise IntegrityError("archive", f"package is not a valid zip: {exc}") from None
+            # Reading the zip's directory is quick; the full h1 pass comes after publishing,
+            # so that readers following the download are not held up by it.
+            if not await asyncio.to_thread(zipfile.is_zipfile, temp):
+                raise IntegrityError("archive", "package is not a valid zip")
             final = await self.publish(temp, parts)
         except BaseException as exc:
             # Synchronous on purpose: this also runs when the fill is cancelled.
@@ -321,6 +321,11 @@ class ArchiveStore:
             raise
         if progress is not None:
             progress.complete(final)
+        try:
+            h1: str | None = await asyncio.to_thread(h1_of_zip, final)
+        except (zipfile.BadZipFile, ValueError, OSError) as exc:
+            log.warning("cannot compute h1 of %s: %s", final, exc)
+            h1 = None
         return StoredArchive(final, size, actual, h1)
 
 

@@ -159,9 +159,14 @@ class _Parser:
                                  f"{access_log!r}")
             access_log = "plain"
         workers = self._whole("server.workers", table, "workers", 1)
+        event_loop = (self._str("server.event_loop", table, "event_loop") or "uvloop").lower()
+        if event_loop not in ("uvloop", "asyncio"):
+            self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
+                                 f"{event_loop!r}")
+            event_loop = "uvloop"
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
-                            access_log=access_log, workers=workers)
+                            access_log=access_log, workers=workers, event_loop=event_loop)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 from pathlib import Path
@@ -75,6 +76,7 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         document = await mirror.version_document(provider, version)
         signer = request.app.get(SIGNER_KEY)
         if signer is not None:  # archives are fetched without credentials: sign their URLs
+            document = copy.deepcopy(document)
             directory = request.path.rsplit("/", 1)[0]
             for archive in document["archives"].values():
                 archive["url"] += "?" + signer.query(f"{directory}/{archive['url']}")

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # for this host alone, so the proxy does too (logged). Every other host must sign.
 UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
 _PLATFORM_FETCH_CONCURRENCY = 8
+_COMPLETE_DOCUMENTS = 4096
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class ProviderMirror:
                  filters: Filters | None = None) -> None:
         self._registry = registry
         self._filters = filters or Filters()
+        # VERSION.json documents in which every platform upstream lists is present with its
+        # h1: nothing in them changes any more, so they are answered from memory.
+        self._complete_documents: dict[tuple[str, str], dict[str, Any]] = {}
         self._cache = cache
         self._archives = archives
         self._config = config
@@ -117,6 +121,9 @@ class ProviderMirror:
         retried on the next request: nothing about them is cached. A bad signature condemns
         the whole release."""
         self._require_served(provider)
+        complete = self._complete_documents.get((str(provider), version))
+        if complete is not None:
+            return complete
         entry = await self._version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
@@ -154,6 +161,11 @@ class ProviderMirror:
                 hashes.insert(0, package.h1)
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
+        if len(archives) == len(platforms) and not self._config.offline \
+                and all(len(a["hashes"]) == 2 for a in archives.values()):
+            if len(self._complete_documents) >= _COMPLETE_DOCUMENTS:
+                self._complete_documents.pop(next(iter(self._complete_documents)))
+            self._complete_documents[(str(provider), version)] = {"archives": archives}
         if not archives:
             if all(isinstance(f, NotFound) for f in failures):
                 raise NotFound(f"no package of {provider} {version}: {failures[0].message}")
@@ -360,6 +372,7 @@ class ProviderMirror:
         self._verified_sizes[stored.path] = stored.size
         await self._cache.set(self._package_key(provider, version, platform),
                               asdict(replace(package, h1=stored.h1, size=stored.size)))
+
 
     def _integrity(self, kind: str, message: str) -> IntegrityError:
         self._metrics.integrity_failures.labels(kind).inc()

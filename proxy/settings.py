@@ -45,6 +45,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: str = "plain"  # "plain", "json" or "off"
     workers: int = 1  # processes serving one port (SO_REUSEPORT), sharing the cache
+    event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
 
     @property
     def base_url(self) -> str:
@@ -184,7 +185,7 @@ class Config:
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
-               "workers"),
+               "workers", "event_loop"),
     "cache": ("dir", "max_size"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

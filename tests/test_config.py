@@ -129,7 +129,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "max_archive_size", "services", "default_host", "git_timeout", "max_size",
                 "mode", "max_concurrent_fills", "allowed_networks", "access_log", "token",
                 "providers", "exclude_providers", "modules", "exclude_modules", "platforms",
-                "tokens", "tokens_file", "signed_url_ttl"):
+                "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop"):
         assert f"{key} =" in text, key
 
 
