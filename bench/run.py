@@ -141,8 +141,10 @@ ca_bundle = "{ca_file}"
 "modules.v1" = "{registry.url}/v1/modules/"
 """)
     env = {"PATH": os.environ["PATH"], "HOME": str(work)}
-    process = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(work / f"proxy-{port}.log", "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(config)], env=env,
+            stdout=log, stderr=subprocess.STDOUT)
     proxy = Proxy(process, port, cache)
     for _ in range(300):
         if proxy.ca.exists() and curl(proxy, f"{proxy.base}/healthz", check=False) == 200:

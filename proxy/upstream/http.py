@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 1 << 20  # what Terraform and OpenTofu accept for registry documents
 MAX_REDIRECTS = 5
+DOWNLOAD_STALL_SECONDS = 60.0  # a download with no byte for this long fails
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
 USER_AGENT = "tf-registry-proxy/0.1"
@@ -85,9 +86,12 @@ class UpstreamHTTP:
         self.egress = egress
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
-        # sock_read catches a stalled transfer long before the total deadline.
+        # sock_read catches a stalled transfer long before the total deadline; a package
+        # download may take a while to start, a metadata answer may not.
+        stall = self._config.metadata_timeout if total <= self._config.metadata_timeout \
+            else min(total, DOWNLOAD_STALL_SECONDS)
         return aiohttp.ClientTimeout(total=total, sock_connect=self._config.connect_timeout,
-                                     sock_read=self._config.metadata_timeout)
+                                     sock_read=stall)
 
     @asynccontextmanager
     async def _open(self, url: str, origin: str, total: float,

@@ -51,6 +51,7 @@ class Release:
     sums: bytes = b""
     signature: bytes = b""
     bad_signature: bytes = b""
+    _digests: dict[str, tuple[bytes, str]] = field(default_factory=dict, repr=False)
 
     def filename(self, platform: str) -> str:
         return f"terraform-provider-{self.type}_{self.version}_{platform}.zip"
@@ -60,7 +61,12 @@ class Release:
         return f"terraform-provider-{self.type}_{self.version}_SHA256SUMS"
 
     def sha256(self, platform: str) -> str:
-        return hashlib.sha256(self.zips[platform]).hexdigest()
+        data = self.zips[platform]
+        cached = self._digests.get(platform)
+        if cached is None or cached[0] is not data:  # zips may be replaced: key on identity
+            cached = (data, hashlib.sha256(data).hexdigest())
+            self._digests[platform] = cached
+        return cached[1]
 
 
 def build_zip(members: dict[str, tuple[bytes, int]]) -> bytes:
@@ -327,16 +333,20 @@ class FakeRegistry:
                     body = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
                 if "slowzip" in self.faults:
                     return await self._trickle(request, body)
+                if len(body) > 8 << 20:  # big (benchmark) packages: stream, do not buffer
+                    return await self._trickle(request, body, piece=1 << 20, pause=0)
                 return web.Response(body=body, content_type="application/zip")
         raise web.HTTPNotFound()
 
-    async def _trickle(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        """Send a body slowly, in small pieces (a slow upstream mid-download)."""
+    async def _trickle(self, request: web.Request, body: bytes, piece: int = 32,
+                       pause: float = 0.05) -> web.StreamResponse:
+        """Send a body in pieces, by default slowly (a slow upstream mid-download)."""
         response = web.StreamResponse(headers={"Content-Type": "application/zip"})
         response.content_length = len(body)
         await response.prepare(request)
-        for offset in range(0, len(body), 32):
-            await response.write(body[offset:offset + 32])
-            await asyncio.sleep(0.05)
+        view = memoryview(body)
+        for offset in range(0, len(body), piece):
+            await response.write(view[offset:offset + piece])
+            await asyncio.sleep(pause)
         await response.write_eof()
         return response
