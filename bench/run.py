@@ -346,18 +346,36 @@ def main() -> int:
             figures.append(_terraform_ratio(work, warm, nginx_base, runs))
         warm.stop()
 
-        # Cold: time to first byte and total, proxy / direct from upstream.
-        first_ratios, total_ratios = [], []
+        # Cold: time to first byte and total of the package, proxy / direct from upstream.
+        # As Terraform does, index.json and VERSION.json come first: the package is the miss.
+        first_ratios: list[float] = []
+        total_ratios: list[float] = []
+        first_times: list[float] = []
+        total_times: list[float] = []
+        direct_firsts: list[float] = []
+        direct_totals: list[float] = []
         for run in range(runs):
             cold = start_proxy(work, registry, ca_file, work / f"cache-cold-{run}")
+            for document in ("index.json", "1.0.0.json"):
+                curl(cold, f"{cold.base}/mirror/{HOST}/bench/big/{document}")
             direct_first, direct_total, _ = timed_download(ca_file, upstream_big)
             proxy_first, proxy_total, _ = timed_download(cold.ca, cold.base + big_path)
             cold.stop()
             first_ratios.append(proxy_first / direct_first)
             total_ratios.append(proxy_total / direct_total)
-        figures.append(Figure("cold miss, time to first byte: proxy / direct", "x",
+            first_times.append(proxy_first)
+            total_times.append(proxy_total)
+            direct_firsts.append(direct_first)
+            direct_totals.append(direct_total)
+        figures.append(Figure("cold package miss, time to first byte: proxy / direct", "x",
                               first_ratios, "<= 1.5"))
-        figures.append(Figure("cold miss, total time: proxy / direct", "x", total_ratios))
+        figures.append(Figure("cold package miss, total time: proxy / direct", "x",
+                              total_ratios))
+        notes.append(f"Cold package miss through the proxy: first byte after "
+                     f"{statistics.median(first_times) * 1000:.0f} ms, all "
+                     f"{big // 2**20} MiB after {statistics.median(total_times):.2f} s "
+                     f"(direct: {statistics.median(direct_firsts) * 1000:.0f} ms and "
+                     f"{statistics.median(direct_totals):.2f} s).")
 
         # 100 concurrent cold requests for one archive: upstream fetches.
         fetches = []

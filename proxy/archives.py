@@ -45,7 +45,6 @@ class StoredArchive:
     path: Path
     size: int
     sha256: str
-    h1: str | None
 
 
 class GrowingFile:
@@ -293,15 +292,14 @@ class ArchiveStore:
         digest = hashlib.sha256()
         size = 0
         try:
-            async with aiofiles.open(temp, "wb") as handle:
+            # Unbuffered: each write is on disk (in the page cache) for followers at once.
+            async with aiofiles.open(temp, "wb", buffering=0) as handle:
                 async for chunk in chunks:
                     digest.update(chunk)
                     size += len(chunk)
                     await handle.write(chunk)
                     if progress is not None:
-                        await handle.flush()  # followers read what is on disk
                         progress.advance(len(chunk))
-                await handle.flush()
                 await asyncio.to_thread(os.fsync, handle.fileno())
             actual = digest.hexdigest()
             if actual != expected_sha256:
@@ -321,12 +319,16 @@ class ArchiveStore:
             raise
         if progress is not None:
             progress.complete(final)
-        try:
-            h1: str | None = await asyncio.to_thread(h1_of_zip, final)
-        except (zipfile.BadZipFile, ValueError, OSError) as exc:
-            log.warning("cannot compute h1 of %s: %s", final, exc)
-            h1 = None
-        return StoredArchive(final, size, actual, h1)
+        return StoredArchive(final, size, actual)
+
+
+async def h1_of_stored(path: Path) -> str | None:
+    """The h1 of a published package (a full read: done after publishing, off the loop)."""
+    try:
+        return await asyncio.to_thread(h1_of_zip, path)
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        log.warning("cannot compute h1 of %s: %s", path, exc)
+        return None
 
 
 _LOCK_NAME = ".owner.lock"

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiofiles.os
 
-from proxy.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.archives import ArchiveStore, FillLock, GrowingFile, h1_of_stored
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
@@ -369,9 +369,14 @@ class ProviderMirror:
                                               f"{platform.key}: {exc.message}") from None
             finally:
                 self._metrics.fills_in_flight.dec()
+        # The record that vouches for the file first; its h1 (a full read) after.
         self._verified_sizes[stored.path] = stored.size
-        await self._cache.set(self._package_key(provider, version, platform),
-                              asdict(replace(package, h1=stored.h1, size=stored.size)))
+        key = self._package_key(provider, version, platform)
+        package = replace(package, size=stored.size)
+        await self._cache.set(key, asdict(package))
+        h1 = await h1_of_stored(stored.path)
+        if h1 is not None:
+            await self._cache.set(key, asdict(replace(package, h1=h1)))
 
 
     def _integrity(self, kind: str, message: str) -> IntegrityError:

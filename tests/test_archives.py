@@ -35,7 +35,7 @@ async def test_store_publishes_verified_file(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
     stored = await store.store(PARTS, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
     assert stored.path.read_bytes() == ZIP
-    assert stored.h1.startswith("h1:") and stored.size == len(ZIP)
+    assert stored.size == len(ZIP) and stored.sha256 == hashlib.sha256(ZIP).hexdigest()
     assert await store.lookup(PARTS) == stored.path
     assert leftovers(tmp_path) == []
 

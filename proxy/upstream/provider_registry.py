@@ -5,6 +5,7 @@ https://developer.hashicorp.com/terraform/internals/provider-registry-protocol
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AbstractAsyncContextManager
 
 from proxy.errors import NotFound, UpstreamNotFound
@@ -50,9 +51,10 @@ class ProviderRegistryClient:
 
     async def shasums(self, provider: ProviderAddress, info: DownloadInfo) -> tuple[bytes, bytes]:
         """The SHA256SUMS file and its detached signature, as upstream published them."""
-        sums = await self._http.get_bytes(info.shasums_url, provider.hostname, _MAX_SUMS_BYTES)
-        signature = await self._http.get_bytes(info.shasums_signature_url, provider.hostname,
-                                               _MAX_SIGNATURE_BYTES)
+        sums, signature = await asyncio.gather(
+            self._http.get_bytes(info.shasums_url, provider.hostname, _MAX_SUMS_BYTES),
+            self._http.get_bytes(info.shasums_signature_url, provider.hostname,
+                                 _MAX_SIGNATURE_BYTES))
         return sums, signature
 
     def open_package(self, provider: ProviderAddress, download_url: str,
