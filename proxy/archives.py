@@ -30,7 +30,8 @@ from proxy.hashes import h1_of_zip
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1 << 20
+# Followers of a download read in pieces this large: memory per client stays small.
+_CHUNK = 256 << 10
 _AREAS = ("archives", "modules")
 # Access times are recorded on the files' mtime, at most this often per file.
 _TOUCH_INTERVAL = 60.0

@@ -60,9 +60,7 @@ class _InUseFileResponse(web.FileResponse):
 
     def __init__(self, path: Path, store: ArchiveStore, served: Counter,
                  headers: dict[str, str]) -> None:
-        # Over TLS the kernel's sendfile cannot be used; larger reads then mean fewer
-        # thread hops per megabyte.
-        super().__init__(path, headers=headers, chunk_size=1 << 20)
+        super().__init__(path, headers=headers)
         self._in_use_path = path
         self._store = store
         self._served = served
