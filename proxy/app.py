@@ -19,12 +19,14 @@ from proxy.handlers import (
     METRICS_KEY,
     MIRROR_KEY,
     MODULES_KEY,
+    REGISTRY_KEY,
     add_routes,
 )
 from proxy.metrics import Metrics
 from proxy.middleware import error_middleware
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
+from proxy.provider_registry_service import ProviderRegistryService
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.git import combined_ca_bundle
@@ -32,6 +34,7 @@ from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.url_signing import UrlSigner
+from proxy.verified_packages import VerifiedPackages
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,10 @@ def create_app(config: Config) -> web.Application:
         http = UpstreamHTTP(session, config.upstream, metrics, egress)
         discovery = Discovery(http, config.upstream)
         filters = Filters(config.filters)
-        mirror = ProviderMirror(ProviderRegistryClient(http, discovery), cache, archives,
-                                config.upstream, metrics, filters)
+        packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache, archives,
+                                    config.upstream, metrics)
+        mirror = ProviderMirror(packages, archives, config.upstream, metrics, filters)
+        app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream, filters)
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)

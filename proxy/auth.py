@@ -59,7 +59,7 @@ def auth_middleware(config: AuthConfig) -> Middleware:
             return await handler(request)
         if _bearer_ok(request, tokens):
             return await handler(request)
-        if request.path.endswith(_ARCHIVE_SUFFIXES):
+        if request.path.endswith(_ARCHIVE_SUFFIXES) or route == "provider_sums":
             signer = request.app[SIGNER_KEY]
             if signer.valid(request.path, request.query.get(EXPIRES),
                             request.query.get(SIGNATURE)):

@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--config", type=Path, metavar="FILE",
                              help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
                                   "else built-in defaults)")
+        if name == "client-config":
+            command.add_argument(
+                "--mode", choices=("mirror", "registry"), default="mirror",
+                help="mirror: providers through the network mirror (default); registry: "
+                     "through host blocks, so lock files match a direct install")
     return parser
 
 
@@ -54,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "client-config":
         generated_ca = None if config.server.tls_cert else config.cache.dir / "tls" / "ca.pem"
-        sys.stdout.write(render_client_config(config, generated_ca))
+        sys.stdout.write(render_client_config(config, generated_ca, args.mode))
         return 0
     if args.command == "healthcheck":
         return _healthcheck(config)

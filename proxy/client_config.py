@@ -9,11 +9,14 @@ from proxy.config import Config
 
 MIRROR_PATH = "mirror/"
 MODULES_PATH = "modules/"
+PROVIDERS_PATH = "providers/"
 
 
-def render_client_config(config: Config, ca_file: Path | None) -> str:
-    """A ready-to-use CLI config: every provider installs through the proxy's mirror, and a
-    `host` block per upstream host sends registry modules through the proxy too."""
+def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirror") -> str:
+    """A ready-to-use CLI config. "mirror": every provider installs through the proxy's
+    network mirror, and a `host` block per upstream host sends registry modules through the
+    proxy too. "registry": `host` blocks only, for providers and modules, so that clients
+    verify signatures themselves and lock files match a direct install."""
     base = config.server.base_url
     lines = [
         f"# Terraform / OpenTofu CLI configuration for tf-registry-proxy at {base}",
@@ -31,14 +34,15 @@ def render_client_config(config: Config, ca_file: Path | None) -> str:
             "# WARNING: the proxy listens on every interface but server.public_url is not set,",
             "# so this file names it 'localhost': set public_url for other machines.",
         ]
-    lines += [
-        "",
-        "provider_installation {",
-        "  network_mirror {",
-        f'    url = "{base}{MIRROR_PATH}"',
-        "  }",
-        "}",
-    ]
+    if mode == "mirror":
+        lines += [
+            "",
+            "provider_installation {",
+            "  network_mirror {",
+            f'    url = "{base}{MIRROR_PATH}"',
+            "  }",
+            "}",
+        ]
     if config.auth.enabled:
         # Through a `host` block, clients send the token they hold for the original name,
         # so the proxy's token goes under every name that leads to it.
@@ -47,12 +51,17 @@ def render_client_config(config: Config, ca_file: Path | None) -> str:
         for host in [urlsplit(base).netloc, *sorted(config.upstream.all_hosts)]:
             lines += [f'credentials "{host}" {{', '  token = "REPLACE-WITH-YOUR-TOKEN"', "}"]
     for host in sorted(config.upstream.all_hosts):
+        services = [f'    "modules.v1" = "{base}{MODULES_PATH}{host}/"']
+        what = "Registry modules"
+        if mode == "registry":
+            services.insert(0, f'    "providers.v1" = "{base}{PROVIDERS_PATH}{host}/"')
+            what = "Providers and registry modules"
         lines += [
             "",
-            f"# Registry modules from {host} install through the proxy, from its cache.",
+            f"# {what} from {host} install through the proxy, from its cache.",
             f'host "{host}" {{',
             "  services = {",
-            f'    "modules.v1" = "{base}{MODULES_PATH}{host}/"',
+            *services,
             "  }",
             "}",
         ]

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import logging
 import os
+import re
 from pathlib import Path
 
 from aiohttp import web
@@ -15,17 +16,27 @@ from proxy.auth import SIGNER_KEY
 from proxy.config import Config
 from proxy.errors import NotFound
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
-from proxy.models import ModuleAddress, ProviderAddress, parse_module_version, parse_version
+from proxy.models import (
+    ModuleAddress,
+    Platform,
+    ProviderAddress,
+    parse_module_version,
+    parse_version,
+)
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
+from proxy.provider_registry_service import ProviderRegistryService
 from proxy.responses import json_response, send_file
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
 MODULES_PREFIX = "/modules/"
+PROVIDERS_PREFIX = "/providers/"
+_SUMS_ID = re.compile(r"[0-9a-f]{32}")
 METRICS_KEY = web.AppKey("metrics", Metrics)
 MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
 MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
+REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
 ARCHIVES_KEY = web.AppKey("archives", ArchiveStore)
 CONFIG_KEY = web.AppKey("config", Config)
 
@@ -98,10 +109,57 @@ def public_base(request: web.Request) -> str:
 
 
 async def discovery(request: web.Request) -> web.Response:
-    """Our own service discovery: modules addressed to the proxy's hostname come from the
-    default upstream host. Served anonymously, from memory (clients treat 401 as fatal)."""
+    """Our own service discovery: modules and providers addressed to the proxy's hostname
+    come from the default upstream host. Served anonymously, from memory (clients treat 401
+    as fatal)."""
     default_host = request.app[CONFIG_KEY].modules.default_host
-    return json_response({"modules.v1": f"{MODULES_PREFIX}{default_host}/"})
+    return json_response({"modules.v1": f"{MODULES_PREFIX}{default_host}/",
+                          "providers.v1": f"{PROVIDERS_PREFIX}{default_host}/"})
+
+
+def _provider(request: web.Request) -> ProviderAddress:
+    info = request.match_info
+    return ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+
+
+async def provider_versions(request: web.Request) -> web.Response:
+    """providers.v1 `:namespace/:type/versions`."""
+    return json_response(await request.app[REGISTRY_KEY].list_versions(_provider(request)))
+
+
+async def provider_download(request: web.Request) -> web.Response:
+    """providers.v1 `:namespace/:type/:version/download/:os/:arch`: upstream's document with
+    its three URLs pointing at the proxy (signed when clients must authenticate)."""
+    provider = _provider(request)
+    version = parse_version(request.match_info["version"])
+    platform = Platform.parse(request.match_info["os"], request.match_info["arch"])
+    document, sums = await request.app[REGISTRY_KEY].download_document(
+        provider, version, platform)
+    base = public_base(request)
+    signer = request.app.get(SIGNER_KEY)
+
+    def url(path: str) -> str:
+        return base + path.lstrip("/") + ("?" + signer.query(path) if signer else "")
+
+    sums_path = f"{PROVIDERS_PREFIX}{provider}/{version}/sums/{sums}/SHA256SUMS"
+    document["download_url"] = url(
+        f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}")
+    document["shasums_url"] = url(sums_path)
+    document["shasums_signature_url"] = url(sums_path + ".sig")
+    return json_response(document)
+
+
+async def provider_sums(request: web.Request) -> web.Response:
+    """The SHA256SUMS file or its signature, byte for byte as upstream published them."""
+    provider = _provider(request)
+    version = parse_version(request.match_info["version"])
+    name, file = request.match_info["sums"], request.match_info["file"]
+    if not _SUMS_ID.fullmatch(name) or file not in ("SHA256SUMS", "SHA256SUMS.sig"):
+        raise NotFound("no such file")
+    sums, signature = await request.app[REGISTRY_KEY].signed_sums(provider, version, name)
+    if file == "SHA256SUMS":
+        return web.Response(body=sums, content_type="text/plain")
+    return web.Response(body=signature, content_type="application/octet-stream")
 
 
 def _module(request: web.Request) -> ModuleAddress:
@@ -149,6 +207,12 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
     app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
                        name="mirror")
+    provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"
+    app.router.add_get(provider + "/versions", provider_versions, name="provider_versions")
+    app.router.add_get(provider + "/{version}/download/{os}/{arch}", provider_download,
+                       name="provider_download")
+    app.router.add_get(provider + "/{version}/sums/{sums}/{file}", provider_sums,
+                       name="provider_sums")
     module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
     app.router.add_get(module + "/versions", module_versions, name="module_versions")
     app.router.add_get(module + "/{version}/{action}", module_version_file, name="module")

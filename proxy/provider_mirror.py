@@ -7,70 +7,41 @@ Operations: list_versions (index.json), version_document (VERSION.json), archive
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiofiles.os
 
 from proxy.archives import ArchiveStore, FillLock, GrowingFile, h1_of_stored
-from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
 from proxy.filters import Filters
-from proxy.freshness import RefreshingDocuments
-from proxy.hashes import h1_of_zip, zh_hash
+from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
-from proxy.registry_documents import DownloadInfo, VersionEntry, parse_sha256sums
-from proxy.signatures import verify_detached
-from proxy.singleflight import SingleFlight
-from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.verified_packages import VerifiedPackage, VerifiedPackages
 
 log = logging.getLogger(__name__)
-
-# registry.opentofu.org publishes some providers without signing keys; OpenTofu accepts that
-# for this host alone, so the proxy does too (logged). Every other host must sign.
-UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
 _PLATFORM_FETCH_CONCURRENCY = 8
 _COMPLETE_DOCUMENTS = 4096
-
-
-@dataclass(frozen=True)
-class VerifiedPackage:
-    """Facts about one package that were checked against the signed SHA256SUMS; immutable.
-    (Download URLs are not kept: registries may hand out short-lived ones.)"""
-
-    filename: str
-    shasum: str
-    h1: str | None = None
-    size: int | None = None  # of the zip as stored, once it was
 
 
 class ProviderMirror:
     """Answers network mirror requests; fetches, verifies and stores on a miss."""
 
-    def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
-                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics,
-                 filters: Filters | None = None) -> None:
-        self._registry = registry
+    def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
+                 config: UpstreamConfig, metrics: Metrics, filters: Filters | None = None
+                 ) -> None:
+        self.packages = packages
         self._filters = filters or Filters()
         # VERSION.json documents in which every platform upstream lists is present with its
         # h1: nothing in them changes any more, so they are answered from memory.
         self._complete_documents: dict[tuple[str, str], dict[str, Any]] = {}
-        self._cache = cache
         self._archives = archives
         self._config = config
         self._metrics = metrics
-        self._versions = RefreshingDocuments[list[VersionEntry]](
-            "versions", cache, metrics, config.versions_ttl,
-            encode=lambda entries: [_entry_to_record(e) for e in entries],
-            decode=lambda records: [_entry_from_record(r) for r in records],
-            offline=config.offline)
-        self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
-        self._sums_fills: SingleFlight[bytes] = SingleFlight()
         # Archive fills: one task per package, detached from clients; callers get the file
         # (already there) or the GrowingFile as soon as the download has started.
         self._archive_ready: dict[tuple[str, ...], asyncio.Future[Path | GrowingFile]] = {}
@@ -84,9 +55,7 @@ class ProviderMirror:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for flights in (self._sums_fills, self._package_fills):
-            await flights.cancel_all()
-        await self._versions.close()
+        await self.packages.close()
 
     def _require_served(self, provider: ProviderAddress) -> None:
         # Checked before the cache too: a host dropped from the config is not served from disk.
@@ -100,7 +69,7 @@ class ProviderMirror:
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists."""
         self._require_served(provider)
-        entries = await self._version_list(provider)
+        entries = await self.packages.version_list(provider)
         versions = [e.version for e in entries]
         if self._config.offline:
             # Offline, only what is held: a constraint then resolves to a version we have.
@@ -124,7 +93,7 @@ class ProviderMirror:
         complete = self._complete_documents.get((str(provider), version))
         if complete is not None:
             return complete
-        entry = await self._version_entry(provider, version)
+        entry = await self.packages.version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
         platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
@@ -137,7 +106,7 @@ class ProviderMirror:
                 raise Offline(f"{provider} {version} {platform.key} is not in the cache, and "
                               "the proxy is offline")
             async with limit:
-                return await self._package(provider, version, platform)
+                return await self.packages.package(provider, version, platform)
 
         results = await asyncio.gather(*(one(p) for p in platforms), return_exceptions=True)
         archives: dict[str, Any] = {}
@@ -155,7 +124,7 @@ class ProviderMirror:
                             failure.message)
                 failures.append(failure)
                 continue
-            package = await self._with_h1(provider, version, platform, result)
+            package = await self.packages.with_h1(provider, version, platform, result)
             hashes = [zh_hash(package.shasum)]
             if package.h1:
                 hashes.insert(0, package.h1)
@@ -210,122 +179,22 @@ class ProviderMirror:
                       platform: Platform) -> Path | None:
         """The stored zip, only if a verified record vouches for it (a file that is on disk
         without one, e.g. after the index was lost, is fetched and checked again)."""
-        found = await self._archives.lookup(self._archive_parts(provider, version, platform))
+        parts = self.packages.archive_parts(provider, version, platform)
+        found = await self._archives.lookup(parts)
         if found is None:
             return None
         size = (await aiofiles.os.stat(found)).st_size
         if self._verified_sizes.get(found) == size:
             return found
-        record = await self._cache.get(self._package_key(provider, version, platform))
-        if record is not None and record.get("size") == size:
+        package = await self.packages.stored_facts(provider, version, platform)
+        if package is not None and package.size == size:
             self._verified_sizes[found] = size
             return found
         log.warning("%s is on disk without a matching verified record; fetching it again",
                     found)
         return None
 
-    # --- versions ------------------------------------------------------------------------
-
-    async def _version_list(self, provider: ProviderAddress,
-                            wanted: str | None = None) -> list[VersionEntry]:
-        return await self._versions.get(
-            f"versions/{provider}", lambda: self._registry.list_versions(provider),
-            knows=None if wanted is None else
-            (lambda entries: any(e.version == wanted for e in entries)))
-
-    async def _version_entry(self, provider: ProviderAddress, version: str) -> VersionEntry:
-        for entry in await self._version_list(provider, wanted=version):
-            if entry.version == version:
-                return entry
-        raise NotFound(f"{provider} has no version {version}")
-
-    # --- verified package facts ----------------------------------------------------------
-
-    @staticmethod
-    def _package_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
-        return f"package/{provider}/{version}/{platform.key}"
-
-    async def _package(self, provider: ProviderAddress, version: str, platform: Platform,
-                       info: DownloadInfo | None = None) -> VerifiedPackage:
-        key = self._package_key(provider, version, platform)
-        record = await self._cache.get(key)
-        if record is not None:
-            self._metrics.cache_lookups.labels("package", "hit").inc()
-            return _package_from_record(record)
-        self._metrics.cache_lookups.labels("package", "miss").inc()
-        return await self._package_fills.run(
-            key, lambda: self._fill_package(key, provider, version, platform, info))
-
-    async def _fill_package(self, key: str, provider: ProviderAddress, version: str,
-                            platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
-        record = await self._cache.get(key)  # a fill that finished since the caller looked
-        if record is not None:
-            return _package_from_record(record)
-        if info is None:
-            info = await self._registry.download_info(provider, version, platform)
-        sums = parse_sha256sums(await self._signed_sums(provider, version, info))
-        listed = sums.get(info.filename)
-        if listed is None:
-            raise self._integrity("sha256sums", f"SHA256SUMS of {provider} {version} has no "
-                                  f"line for {info.filename}")
-        if listed != info.shasum:
-            raise self._integrity("sha256sums", f"SHA256SUMS lists {listed} for "
-                                  f"{info.filename}, the download document {info.shasum}")
-        package = VerifiedPackage(filename=info.filename, shasum=info.shasum)
-        await self._cache.set(key, asdict(package))
-        return package
-
-    async def _with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
-                       package: VerifiedPackage) -> VerifiedPackage:
-        """Fill in a missing h1 from the stored zip (lost if a crash hit between publishing
-        the file and recording its hash)."""
-        if package.h1 is not None:
-            return package
-        path = await self._archives.lookup(self._archive_parts(provider, version, platform))
-        if path is None:
-            return package
-        package = replace(package, h1=await asyncio.to_thread(h1_of_zip, path))
-        await self._cache.set(self._package_key(provider, version, platform), asdict(package))
-        return package
-
-    async def _signed_sums(self, provider: ProviderAddress, version: str,
-                           info: DownloadInfo) -> bytes:
-        """SHA256SUMS bytes whose signature verified (cached: immutable once verified)."""
-        url_id = hashlib.sha256(info.shasums_url.encode()).hexdigest()[:32]
-        key = f"sums/{provider}/{version}/{url_id}"
-        record = await self._cache.get(key)
-        if record is not None:
-            self._metrics.cache_lookups.labels("sums", "hit").inc()
-            return bytes(record["sums"])
-        self._metrics.cache_lookups.labels("sums", "miss").inc()
-        return await self._sums_fills.run(key, lambda: self._fill_sums(key, provider, info))
-
-    async def _fill_sums(self, key: str, provider: ProviderAddress, info: DownloadInfo) -> bytes:
-        record = await self._cache.get(key)  # a fill that finished since the caller looked
-        if record is not None:
-            return bytes(record["sums"])
-        sums, signature = await self._registry.shasums(provider, info)
-        if not info.signing_keys and provider.hostname in UNSIGNED_ALLOWED_HOSTS:
-            log.warning("%s publishes %s without signing keys; accepted for this host only",
-                        provider.hostname, provider)
-            signed_by = ""
-        else:
-            try:
-                signed_by = await asyncio.to_thread(
-                    verify_detached, sums, signature, info.signing_keys)
-            except IntegrityError as exc:
-                raise self._integrity(exc.kind, f"{provider}: {exc.message}") from None
-        await self._cache.set(key, {"sums": sums, "signature": signature,
-                                    "signed_by": signed_by, "url": info.shasums_url})
-        return sums
-
     # --- archives ------------------------------------------------------------------------
-
-    @staticmethod
-    def _archive_parts(provider: ProviderAddress, version: str,
-                       platform: Platform) -> list[str]:
-        return ["archives", provider.hostname, provider.namespace, provider.type, version,
-                provider.archive_filename(version, platform)]
 
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
                             ready: asyncio.Future[Path | GrowingFile]) -> None:
@@ -340,21 +209,21 @@ class ProviderMirror:
     async def _download_archive(self, provider: ProviderAddress, version: str,
                                 platform: Platform,
                                 ready: asyncio.Future[Path | GrowingFile]) -> None:
-        entry = await self._version_entry(provider, version)
+        entry = await self.packages.version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
         # A fresh download document every time: its URL may be short-lived.
-        info = await self._registry.download_info(provider, version, platform)
-        package = await self._package(provider, version, platform, info)
+        info = await self.packages.registry.download_info(provider, version, platform)
+        package = await self.packages.package(provider, version, platform, info)
         if (info.filename, info.shasum) != (package.filename, package.shasum):
-            raise self._integrity("changed", f"upstream now describes {provider} {version} "
+            raise self.packages.integrity("changed", f"upstream now describes {provider} {version} "
                                   f"{platform.key} differently from what it signed before")
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
             try:
                 log.info("fetching %s %s %s from %s", provider, version, platform.key,
                          info.download_url)
-                stream = self._registry.open_package(provider, info.download_url,
+                stream = self.packages.registry.open_package(provider, info.download_url,
                                                      self._config.max_archive_size)
                 async with stream as download:
                     growing = GrowingFile(self._archives.temp_file(), download.size)
@@ -362,42 +231,20 @@ class ProviderMirror:
                     ready.set_result(growing)
                     try:
                         stored = await self._archives.store(
-                            self._archive_parts(provider, version, platform),
+                            self.packages.archive_parts(provider, version, platform),
                             download.chunks, package.shasum, growing)
                     except IntegrityError as exc:
-                        raise self._integrity(exc.kind, f"{provider} {version} "
+                        raise self.packages.integrity(exc.kind, f"{provider} {version} "
                                               f"{platform.key}: {exc.message}") from None
             finally:
                 self._metrics.fills_in_flight.dec()
         # The record that vouches for the file first; its h1 (a full read) after.
         self._verified_sizes[stored.path] = stored.size
-        key = self._package_key(provider, version, platform)
         package = replace(package, size=stored.size)
-        await self._cache.set(key, asdict(package))
+        await self.packages.save(provider, version, platform, package)
         h1 = await h1_of_stored(stored.path)
         if h1 is not None:
-            await self._cache.set(key, asdict(replace(package, h1=h1)))
-
-
-    def _integrity(self, kind: str, message: str) -> IntegrityError:
-        self._metrics.integrity_failures.labels(kind).inc()
-        log.error("integrity failure (%s): %s", kind, message)
-        return IntegrityError(kind, message)
-
-
-def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:
-    return {"version": entry.version, "protocols": list(entry.protocols),
-            "platforms": [p.key for p in entry.platforms]}
-
-
-def _entry_from_record(record: dict[str, Any]) -> VersionEntry:
-    return VersionEntry(version=record["version"], protocols=tuple(record["protocols"]),
-                        platforms=tuple(Platform.from_key(k) for k in record["platforms"]))
-
-
-def _package_from_record(record: dict[str, Any]) -> VerifiedPackage:
-    return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"),
-                           record.get("size"))
+            await self.packages.save(provider, version, platform, replace(package, h1=h1))
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -8,7 +8,8 @@ Reference: https://developer.hashicorp.com/terraform/internals/provider-registry
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from proxy.errors import BadRequest, UpstreamError
@@ -40,6 +41,7 @@ class DownloadInfo:
     shasums_url: str
     shasums_signature_url: str
     signing_keys: tuple[str, ...]
+    document: dict[str, Any] = field(default_factory=dict)  # as published, for passing on
 
 
 def parse_versions(document: object) -> list[VersionEntry]:
@@ -96,6 +98,7 @@ def parse_download(document: object, final_url: str, platform: Platform) -> Down
         shasums_url=_https_url(document, "shasums_url", final_url),
         shasums_signature_url=_https_url(document, "shasums_signature_url", final_url),
         signing_keys=tuple(keys),
+        document=document,
     )
 
 

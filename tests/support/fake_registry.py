@@ -302,7 +302,13 @@ class FakeRegistry:
             download_url = f"https://localhost:{self.port}{download_url}"
         if "metadata-url" in self.faults:
             download_url = "https://169.254.169.254/latest/meta-data/iam/credentials"
+        extra: dict[str, object] = {}
+        if "tofu-packages" in self.faults:  # OpenTofu >= 1.12 reads per-platform hashes
+            extra["packages"] = {p: {"hashes": [f"zh:{release.sha256(p)}"],
+                                     "package_size": len(release.zips[p])}
+                                 for p in release.platforms}
         return web.json_response({
+            **extra,
             "protocols": ["5.0"], "os": info["os"], "arch": info["arch"],
             "filename": release.filename(platform),
             "download_url": download_url,
