@@ -236,3 +236,11 @@ def test_client_config_with_auth_names_every_host_for_credentials(tmp_path: Path
     for host in ("127.0.0.1:8443", "registry.terraform.io", "registry.opentofu.org"):
         assert f'credentials "{host}" {{\n  token = "REPLACE-WITH-YOUR-TOKEN"\n}}' in text
     assert "abcdefghijklmnopqrstuvwxyz" not in text
+
+
+def test_client_config_registry_mode() -> None:
+    text = render_client_config(load_config(None, environ={}), None, "registry")
+    assert "provider_installation" not in text
+    for host in ("registry.terraform.io", "registry.opentofu.org"):
+        assert (f'    "providers.v1" = "https://127.0.0.1:8443/providers/{host}/"\n'
+                f'    "modules.v1" = "https://127.0.0.1:8443/modules/{host}/"') in text
