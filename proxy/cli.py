@@ -12,18 +12,23 @@ import sys
 import urllib.request
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app
+from proxy.bundle import BundleError, export_bundle, import_bundle, import_mirror_directory
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.tls import ensure_certificate, ssl_context
+from proxy.warm import summary as warm_summary
+from proxy.warm import warm, warm_cache
+from proxy.warm_sources import SourceError, read_sources
 
 log = logging.getLogger("proxy")
+T = TypeVar("T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,11 +39,37 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in (("serve", "run the proxy (HTTPS)"),
                        ("client-config", "print a Terraform CLI config that uses this proxy"),
-                       ("healthcheck", "exit 0 if the proxy on this machine answers /healthz")):
+                       ("healthcheck", "exit 0 if the proxy on this machine answers /healthz"),
+                       ("warm", "fill the cache ahead of time from configurations, lock "
+                                "files or lists"),
+                       ("export", "write the cache, or part of it, as one tar bundle"),
+                       ("import", "verify a bundle (or a `terraform providers mirror` "
+                                  "directory) and add it to the cache")):
         command = commands.add_parser(name, help=text, description=text)
         command.add_argument("--config", type=Path, metavar="FILE",
                              help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
                                   "else built-in defaults)")
+        if name in ("warm", "export"):
+            command.add_argument("sources", nargs="*" if name == "export" else "+",
+                                 metavar="SOURCE",
+                                 help="a configuration directory, a .terraform.lock.hcl, or "
+                                      "a list file (one 'ADDRESS [CONSTRAINT]' a line)")
+        if name == "warm":
+            command.add_argument("--platform", action="append", default=[],
+                                 metavar="OS_ARCH", help="repeatable (default: the "
+                                 "configured platform filter, else linux_amd64)")
+            command.add_argument("--proxy", metavar="URL",
+                                 help="warm a running proxy (default: the cache directory, "
+                                      "with a proxy started in this process)")
+            command.add_argument("--ca-file", type=Path, metavar="FILE",
+                                 help="CA to trust for --proxy (default: the system's)")
+            command.add_argument("--token", help="client token for --proxy, if it needs one")
+        if name == "export":
+            command.add_argument("--output", type=Path, required=True, metavar="BUNDLE.tar")
+        if name == "import":
+            command.add_argument("bundle", type=Path, metavar="BUNDLE",
+                                 help="a bundle from `export`, or a directory written by "
+                                      "`terraform providers mirror`")
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",
@@ -63,7 +94,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "healthcheck":
         return _healthcheck(config)
+    if args.command == "warm":
+        return _warm(config, args)
+    if args.command == "export":
+        return _export(config, args)
+    if args.command == "import":
+        return _import(config, args)
     return _serve(config)
+
+
+def _warm(config: Config, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        requirements = read_sources(args.sources)
+    except SourceError as exc:
+        return _fail(str(exc))
+    platforms = args.platform or [p for p in config.filters.platforms
+                                  if not any(c in p for c in "*?[")] or ["linux_amd64"]
+    if args.proxy:
+        context = ssl.create_default_context(
+            cafile=str(args.ca_file) if args.ca_file else None)
+        results = _run_loop(warm(args.proxy, requirements, platforms, context, args.token),
+                            config.server.event_loop)
+    else:
+        results = _run_loop(warm_cache(config, requirements, platforms),
+                            config.server.event_loop)
+    sys.stdout.write(warm_summary(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _export(config: Config, args: argparse.Namespace) -> int:
+    try:
+        requirements = read_sources(args.sources) if args.sources else None
+        counts = export_bundle(config, args.output, requirements)
+    except (SourceError, BundleError) as exc:
+        return _fail(str(exc))
+    print(f"wrote {args.output}: {counts.providers} provider packages, {counts.modules} "
+          f"module archives")
+    return 0
+
+
+def _import(config: Config, args: argparse.Namespace) -> int:
+    try:
+        if args.bundle.is_dir():
+            counts = import_mirror_directory(config, args.bundle)
+        else:
+            counts = import_bundle(config, args.bundle)
+    except BundleError as exc:
+        return _fail(f"refused {args.bundle}: {exc}")
+    print(f"imported {counts.providers} provider packages, {counts.modules} module archives")
+    return 0
 
 
 def _fail(message: str) -> int:
@@ -91,7 +171,7 @@ def _serve(config: Config) -> int:
     return _run_loop(_run(config, context, certificate.ca), server.event_loop)
 
 
-def _run_loop(main: Coroutine[Any, Any, int], event_loop: str) -> int:
+def _run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
     """Run on uvloop (faster sockets and TLS) when asked for and installed, else on
     asyncio's default loop."""
     if event_loop == "uvloop":

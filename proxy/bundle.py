@@ -1,0 +1,359 @@
+"""Air-gap bundles: `export` writes verified packages and module archives from the cache,
+with their SHA256SUMS, signatures and signing keys, into one tar with a manifest of every
+file's sha256; `import` verifies all of it again (manifest, signatures, checksums, h1) before
+anything enters the cache, and refuses the whole bundle on any mismatch. A directory written
+by `terraform providers mirror` imports too (its packages checked against its h1 hashes)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+import shutil
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import diskcache
+
+from proxy.archives import ArchiveStore
+from proxy.constraints import newest_matching
+from proxy.errors import BadRequest, IntegrityError
+from proxy.hashes import h1_of_zip
+from proxy.models import ModuleAddress, Platform, ProviderAddress, normalize_hostname
+from proxy.registry_documents import parse_sha256sums
+from proxy.settings import Config
+from proxy.signatures import verify_detached
+from proxy.verified_packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
+from proxy.warm_sources import Requirement
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+class BundleError(Exception):
+    """A bundle that cannot be written, read or trusted."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How much a bundle held."""
+
+    providers: int
+    modules: int
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _index(config: Config) -> diskcache.Cache:
+    return diskcache.Cache(str(config.cache.dir / "index"))
+
+
+# --- export ----------------------------------------------------------------------------
+
+def _stored_packages(index: diskcache.Cache, store: ArchiveStore
+                     ) -> Iterator[tuple[ProviderAddress, str, Platform, dict[str, Any], Path]]:
+    for key in index.iterkeys():
+        if not isinstance(key, str) or not key.startswith("package/"):
+            continue
+        _, host, namespace, type_, version, platform_key = key.split("/")
+        record = index.get(key)
+        provider = ProviderAddress(host, namespace, type_)
+        platform = Platform.from_key(platform_key)
+        path = store.path_for(["archives", host, namespace, type_, version,
+                               provider.archive_filename(version, platform)])
+        if isinstance(record, dict) and record.get("size") and record.get("sums_id") \
+                and path.is_file() and path.stat().st_size == record["size"]:
+            yield provider, version, platform, record, path
+
+
+def _stored_modules(store: ArchiveStore) -> Iterator[tuple[ModuleAddress, str, Path]]:
+    root = store.cache_dir / "modules"
+    for path in sorted(root.glob("*/*/*/*/*.tar.gz")):
+        host, namespace, name, system = path.relative_to(root).parts[:4]
+        yield ModuleAddress(host, namespace, name, system), path.name[:-7], path
+
+
+def _selected(requirements: list[Requirement] | None, address: object, version: str,
+              available: dict[str, set[str]]) -> bool:
+    if requirements is None:
+        return True
+    for requirement in requirements:
+        if str(requirement.address) == str(address):
+            chosen = newest_matching(available.get(str(address), set()),
+                                     requirement.constraint)
+            if chosen == version:
+                return True
+    return False
+
+
+def export_bundle(config: Config, output: Path,
+                  requirements: list[Requirement] | None = None) -> Counts:
+    """Write the cache (or what requirements select from it) as a tar bundle."""
+    store = ArchiveStore(config.cache.dir)
+    index = _index(config)
+    try:
+        packages = list(_stored_packages(index, store))
+        modules = list(_stored_modules(store))
+        held: dict[str, set[str]] = {}
+        for provider, version, _p, _r, _path in packages:
+            held.setdefault(str(provider), set()).add(version)
+        for module, version, _path in modules:
+            held.setdefault(str(module), set()).add(version)
+        manifest: dict[str, Any] = {"format": FORMAT, "created": int(time.time()),
+                                    "providers": [], "modules": [], "versions": {},
+                                    "files": {}}
+        temp = output.with_name(output.name + ".part")
+        with tarfile.open(temp, "w") as tar:
+            def add(member: str, path: Path | None = None, data: bytes | None = None) -> None:
+                if path is not None:
+                    manifest["files"][member] = _sha256(path)
+                    tar.add(str(path), arcname=member, recursive=False)
+                else:
+                    assert data is not None
+                    manifest["files"][member] = hashlib.sha256(data).hexdigest()
+                    info = tarfile.TarInfo(member)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+            for provider, version, platform, record, path in packages:
+                if not _selected(requirements, provider, version, held):
+                    continue
+                sums = index.get(f"sums/{provider}/{version}/{record['sums_id']}")
+                if not isinstance(sums, dict):
+                    continue
+                base = f"providers/{provider}/{version}"
+                entry = {**record, "hostname": provider.hostname,
+                         "namespace": provider.namespace, "type": provider.type,
+                         "version": version, "platform": platform.key,
+                         "zip": f"{base}/{path.name}",
+                         "sums": f"{base}/sums/{record['sums_id']}/SHA256SUMS",
+                         "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig"}
+                add(entry["zip"], path=path)
+                if entry["sums"] not in manifest["files"]:
+                    add(entry["sums"], data=bytes(sums["sums"]))
+                    add(entry["signature"], data=bytes(sums["signature"]))
+                manifest["providers"].append(entry)
+                versions = index.get(f"versions/{provider}")
+                if isinstance(versions, dict):
+                    manifest["versions"][str(provider)] = [
+                        v for v in versions["value"] if v["version"] in held[str(provider)]]
+            for module, version, path in modules:
+                if not _selected(requirements, module, version, held):
+                    continue
+                member = f"modules/{module}/{path.name}"
+                add(member, path=path)
+                manifest["modules"].append({
+                    "hostname": module.hostname, "namespace": module.namespace,
+                    "name": module.name, "system": module.system, "version": version,
+                    "archive": member})
+            add(MANIFEST, data=json.dumps(manifest, indent=1).encode())
+        os.replace(temp, output)
+        return Counts(len(manifest["providers"]), len(manifest["modules"]))
+    except OSError as exc:
+        raise BundleError(f"cannot write {output}: {exc}") from None
+    finally:
+        index.close()
+        store.close()
+
+
+# --- import ----------------------------------------------------------------------------
+
+def _safe_member(name: str) -> str:
+    normalized = posixpath.normpath(name)
+    if name.startswith("/") or normalized.startswith("..") or "\\" in name or "\0" in name:
+        raise BundleError(f"unsafe member name {name[:200]!r}")
+    return normalized
+
+
+def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Copy every member out (never tar.extractall), checking each against the manifest."""
+    try:
+        tar = tarfile.open(bundle, "r")
+    except (OSError, tarfile.TarError) as exc:
+        raise BundleError(f"not a readable tar bundle: {exc}") from None
+    with tar:
+        try:
+            raw = tar.extractfile(MANIFEST)
+            manifest = json.load(raw) if raw is not None else None
+        except (KeyError, ValueError):
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise BundleError(f"{MANIFEST} is missing or not a bundle manifest")
+        expected: dict[str, str] = manifest.get("files", {})
+        staged: dict[str, Path] = {}
+        for member in tar.getmembers():
+            name = _safe_member(member.name)
+            if name == MANIFEST:
+                continue
+            if not member.isfile() or name not in expected:
+                raise BundleError(f"{name}: not listed in the manifest")
+            target = staging / hashlib.sha256(name.encode()).hexdigest()
+            source = tar.extractfile(member)
+            assert source is not None
+            digest = hashlib.sha256()
+            with open(target, "wb") as handle:
+                while chunk := source.read(_CHUNK):
+                    digest.update(chunk)
+                    handle.write(chunk)
+            if digest.hexdigest() != expected[name]:
+                raise BundleError(f"{name}: sha256 does not match the manifest")
+            staged[name] = target
+        missing = set(expected) - set(staged) - {MANIFEST}
+        if missing:
+            raise BundleError(f"{sorted(missing)[0]}: listed in the manifest but missing")
+    return manifest, staged
+
+
+def _verify_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedPackage:
+    name = f"{entry['hostname']}/{entry['namespace']}/{entry['type']} {entry['version']}"
+    try:
+        provider = ProviderAddress.parse(entry["hostname"], entry["namespace"], entry["type"])
+        Platform.from_key(entry["platform"])
+    except (BadRequest, KeyError) as exc:
+        raise BundleError(f"{name}: invalid entry ({exc})") from None
+    document = entry.get("document") or {}
+    keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
+        "gpg_public_keys", []) if isinstance(k, dict) and "ascii_armor" in k]
+    sums = staged[entry["sums"]].read_bytes()
+    signature = staged[entry["signature"]].read_bytes()
+    if keys or provider.hostname not in UNSIGNED_ALLOWED_HOSTS:
+        try:
+            verify_detached(sums, signature, keys)
+        except IntegrityError as exc:
+            raise BundleError(f"{entry['signature']}: {exc.message}") from None
+    if parse_sha256sums(sums).get(entry["filename"]) != entry["shasum"]:
+        raise BundleError(f"{entry['sums']}: no matching line for {entry['filename']}")
+    zip_path = staged[entry["zip"]]
+    if _sha256(zip_path) != entry["shasum"]:
+        raise BundleError(f"{entry['zip']}: sha256 does not match the signed checksum")
+    h1 = h1_of_zip(zip_path)
+    if entry.get("h1") and entry["h1"] != h1:
+        raise BundleError(f"{entry['zip']}: h1 does not match")
+    return VerifiedPackage(entry["filename"], entry["shasum"], h1, zip_path.stat().st_size,
+                           entry["sums_id"], document)
+
+
+def import_bundle(config: Config, bundle: Path) -> Counts:
+    """Verify everything in the bundle, then add it to the cache (all or nothing)."""
+    store = ArchiveStore(config.cache.dir)
+    staging = store.tmp / "import"
+    staging.mkdir()
+    index = _index(config)
+    try:
+        manifest, staged = _stage(bundle, staging)
+        verified = [(entry, _verify_provider(entry, staged)) for entry in manifest["providers"]]
+        modules = []
+        for entry in manifest["modules"]:
+            try:
+                module = ModuleAddress.parse(entry["hostname"], entry["namespace"],
+                                             entry["name"], entry["system"])
+            except (BadRequest, KeyError) as exc:
+                raise BundleError(f"invalid module entry ({exc})") from None
+            modules.append((module, entry))
+        # Everything verified: now, and only now, the cache changes.
+        for entry, package in verified:
+            provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
+            platform = Platform.from_key(entry["platform"])
+            _publish(store, staged[entry["zip"]], [
+                "archives", provider.hostname, provider.namespace, provider.type,
+                entry["version"], provider.archive_filename(entry["version"], platform)])
+            index.set(f"package/{provider}/{entry['version']}/{platform.key}",
+                      asdict(package))
+            index.set(f"sums/{provider}/{entry['version']}/{package.sums_id}", {
+                "sums": staged[entry["sums"]].read_bytes(),
+                "signature": staged[entry["signature"]].read_bytes(),
+                "signed_by": "", "url": ""})
+        for address, entries in manifest.get("versions", {}).items():
+            _merge_list(index, f"versions/{address}", entries, lambda v: v["version"])
+        for module, entry in modules:
+            _publish(store, staged[entry["archive"]], [
+                "modules", module.hostname, module.namespace, module.name, module.system,
+                f"{entry['version']}.tar.gz"])
+            _merge_list(index, f"module-versions/{module}", [entry["version"]], str)
+        return Counts(len(verified), len(modules))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        index.close()
+        store.close()
+
+
+def import_mirror_directory(config: Config, directory: Path) -> Counts:
+    """Import what `terraform providers mirror` wrote: every zip is checked against the h1
+    (or zh) hashes its VERSION.json lists. No signatures exist there: such packages serve
+    the network mirror protocol, not the registry protocol."""
+    store = ArchiveStore(config.cache.dir)
+    index = _index(config)
+    found = []
+    try:
+        for zip_path in sorted(directory.glob("*/*/*/terraform-provider-*.zip")):
+            host_dir, namespace, type_ = zip_path.relative_to(directory).parts[:3]
+            try:
+                provider = ProviderAddress.parse(normalize_hostname(host_dir), namespace,
+                                                 type_)
+                version, platform = provider.parse_archive_filename(zip_path.name)
+            except BadRequest as exc:
+                raise BundleError(f"{zip_path}: {exc.message}") from None
+            document_path = zip_path.parent / f"{version}.json"
+            try:
+                listed = json.loads(document_path.read_text())["archives"][platform.key]
+                hashes = set(listed["hashes"])
+            except (OSError, ValueError, KeyError, TypeError):
+                raise BundleError(f"{document_path}: no hashes for {platform.key}") from None
+            sha, h1 = _sha256(zip_path), h1_of_zip(zip_path)
+            if h1 not in hashes and f"zh:{sha}" not in hashes:
+                raise BundleError(f"{zip_path}: matches none of the hashes in "
+                                  f"{document_path.name}")
+            found.append((provider, version, platform, zip_path, sha, h1))
+        for provider, version, platform, zip_path, sha, h1 in found:
+            temp = store.temp_file()
+            shutil.copyfile(zip_path, temp)
+            _publish(store, temp, ["archives", provider.hostname, provider.namespace,
+                                   provider.type, version,
+                                   provider.archive_filename(version, platform)])
+            index.set(f"package/{provider}/{version}/{platform.key}", asdict(
+                VerifiedPackage(zip_path.name, sha, h1, zip_path.stat().st_size)))
+            entry = {"version": version, "protocols": [], "platforms": [platform.key]}
+            _merge_list(index, f"versions/{provider}", [entry], lambda v: v["version"])
+        return Counts(len(found), 0)
+    finally:
+        index.close()
+        store.close()
+
+
+def _publish(store: ArchiveStore, source: Path, parts: list[str]) -> None:
+    final = store.path_for(parts)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(source, final)
+
+
+def _merge_list(index: diskcache.Cache, record_key: str, entries: list[Any],
+                identity: Callable[[Any], str]) -> None:
+    """Add entries to a cached list (version lists), keeping what is there; entries for the
+    same version merge their platforms. A new list is dated 0, so that an online proxy
+    refreshes it soon; offline, age does not matter."""
+    record = index.get(record_key)
+    current: list[Any] = list(record["value"]) if isinstance(record, dict) else []
+    for entry in entries:
+        same = next((c for c in current if identity(c) == identity(entry)), None)
+        if same is None:
+            current.append(entry)
+        elif isinstance(same, dict) and isinstance(entry, dict):
+            same["platforms"] = sorted(set(same.get("platforms", []))
+                                       | set(entry.get("platforms", [])))
+    index.set(record_key, {"fetched_at": record["fetched_at"] if isinstance(record, dict)
+                           else 0, "value": current})

@@ -1,0 +1,67 @@
+"""Terraform version constraints ("~> 5.0", ">= 1.2, < 2.0", "1.2.0"): pick versions. Pure."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+_CONSTRAINT = re.compile(r"^\s*(=|!=|>=|<=|>|<|~>)?\s*v?([0-9][0-9A-Za-z.+-]*)\s*$")
+
+
+def _parts(version: str) -> tuple[tuple[int, ...], str]:
+    """(numbers padded to three, pre-release) of a version; build metadata ignored."""
+    core = version.lstrip("v").split("+", 1)[0]
+    numbers, _, pre = core.partition("-")
+    values = tuple(int(n) for n in numbers.split(".") if n.isdigit())
+    return (*values, 0, 0, 0)[:max(3, len(values))], pre
+
+
+def _key(version: str) -> tuple[tuple[int, ...], int, str]:
+    numbers, pre = _parts(version)
+    return numbers, 0 if pre else 1, pre
+
+
+def _satisfies(version: str, op: str, wanted: str) -> bool:
+    have, want = _key(version), _key(wanted)
+    if op in ("", "="):
+        return have == want
+    if op == "!=":
+        return have != want
+    if op == ">":
+        return have > want
+    if op == ">=":
+        return have >= want
+    if op == "<":
+        return have < want
+    if op == "<=":
+        return have <= want
+    # "~>": only the rightmost given part may grow.
+    given = [int(n) for n in wanted.lstrip("v").split("-")[0].split("+")[0].split(".")]
+    if have < want:
+        return False
+    prefix = given[:-1] if len(given) > 1 else given
+    return list(_parts(version)[0][:len(prefix)]) == prefix
+
+
+def parse_constraint(text: str) -> list[tuple[str, str]]:
+    """The (operator, version) pairs of a constraint string; ValueError when malformed."""
+    pairs = []
+    for piece in text.split(","):
+        if not piece.strip():
+            continue
+        match = _CONSTRAINT.match(piece)
+        if not match:
+            raise ValueError(f"invalid version constraint {text!r}")
+        pairs.append((match.group(1) or "=", match.group(2)))
+    return pairs
+
+
+def newest_matching(versions: Iterable[str], constraint: str) -> str | None:
+    """The newest version that meets the constraint (an empty one: the newest release).
+    Pre-releases are chosen only when named exactly, as Terraform does."""
+    pairs = parse_constraint(constraint)
+    exact = {v for op, v in pairs if op == "="}
+    candidates = [v for v in versions
+                  if all(_satisfies(v, op, w) for op, w in pairs)
+                  and (not _parts(v)[1] or v in exact)]
+    return max(candidates, key=_key, default=None)

@@ -1,0 +1,24 @@
+"""Version constraints as Terraform reads them."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.constraints import newest_matching, parse_constraint
+
+VERSIONS = ["1.0.0", "1.2.0", "1.2.5", "1.3.0", "2.0.0", "2.1.0-beta.1", "5.0.1", "5.9.0"]
+
+
+@pytest.mark.parametrize(("constraint", "expected"), [
+    ("", "5.9.0"), ("1.2.0", "1.2.0"), ("= 1.2.5", "1.2.5"), ("~> 1.2", "1.3.0"),
+    ("~> 1.2.0", "1.2.5"), ("~> 5.0", "5.9.0"), (">= 1.0, < 2.0", "1.3.0"),
+    ("!= 5.9.0, > 5.0.0", "5.0.1"), ("> 9.0", None), ("2.1.0-beta.1", "2.1.0-beta.1"),
+    (">= 2.0.0", "5.9.0"), ("<= 1.2.5", "1.2.5"),
+])
+def test_newest_matching(constraint: str, expected: str | None) -> None:
+    assert newest_matching(VERSIONS, constraint) == expected
+
+
+def test_malformed() -> None:
+    with pytest.raises(ValueError):
+        parse_constraint("about 5")
