@@ -87,6 +87,17 @@ def bundle(tmp_path: Path, write_config: Callable[..., Path],
                    cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     assert "4 provider packages, 2 module archives" in exported.stdout
+    # A selection: only what a list names.
+    listing = tmp_path / "only-null.txt"
+    listing.write_text("hashicorp/null ~> 3.0\nacme/tarball/aws\n")
+    partial = tmp_path / "partial.tar"
+    selected = cli("export", "--config", str(connected), "--output", str(partial),
+                   str(listing), cwd=tmp_path)
+    assert selected.returncode == 0, selected.stderr
+    assert "2 provider packages, 1 module archives" in selected.stdout
+    with tarfile.open(partial) as tar:
+        names = tar.getnames()
+    assert not any("random" in n or "acme/net" in n for n in names)
     return output
 
 
