@@ -69,9 +69,9 @@ def create_app(config: Config) -> web.Application:
         discovery = Discovery(http, config.upstream)
         filters = Filters(config.filters)
         packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache, archives,
-                                    config.upstream, metrics)
-        mirror = ProviderMirror(packages, archives, config.upstream, metrics, filters)
-        app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream, filters)
+                                    config.upstream, metrics, filters)
+        mirror = ProviderMirror(packages, archives, config.upstream, metrics)
+        app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)

@@ -17,7 +17,6 @@ import aiofiles.os
 from proxy.archives import ArchiveStore, FillLock, GrowingFile, h1_of_stored
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
-from proxy.filters import Filters
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
@@ -32,10 +31,9 @@ class ProviderMirror:
     """Answers network mirror requests; fetches, verifies and stores on a miss."""
 
     def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
-                 config: UpstreamConfig, metrics: Metrics, filters: Filters | None = None
-                 ) -> None:
+                 config: UpstreamConfig, metrics: Metrics) -> None:
         self.packages = packages
-        self._filters = filters or Filters()
+        self._filters = packages.filters
         # VERSION.json documents in which every platform upstream lists is present with its
         # h1: nothing in them changes any more, so they are answered from memory.
         self._complete_documents: dict[tuple[str, str], dict[str, Any]] = {}
@@ -57,18 +55,11 @@ class ProviderMirror:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.packages.close()
 
-    def _require_served(self, provider: ProviderAddress) -> None:
-        # Checked before the cache too: a host dropped from the config is not served from disk.
-        if not self._config.serves(provider.hostname):
-            raise NotFound(f"host {provider.hostname} is not served by this proxy")
-        if not self._filters.provider_allowed(provider):
-            raise NotFound(f"{provider} is not served by this proxy (filters)")
-
     # --- protocol operations -------------------------------------------------------------
 
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists."""
-        self._require_served(provider)
+        self.packages.require_served(provider)
         entries = await self.packages.version_list(provider)
         versions = [e.version for e in entries]
         if self._config.offline:
@@ -89,7 +80,7 @@ class ProviderMirror:
         Platforms that upstream lists but cannot (yet) deliver or verify are left out and
         retried on the next request: nothing about them is cached. A bad signature condemns
         the whole release."""
-        self._require_served(provider)
+        self.packages.require_served(provider)
         complete = self._complete_documents.get((str(provider), version))
         if complete is not None:
             return complete
@@ -145,7 +136,7 @@ class ProviderMirror:
     async def archive(self, provider: ProviderAddress, filename: str) -> Path | GrowingFile:
         """The verified package named `filename`: the stored file, or on a miss the download
         under way (shared by every caller), which is published only once verified."""
-        self._require_served(provider)
+        self.packages.require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
         if not self._filters.platform_allowed(platform):
             raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")

@@ -17,7 +17,6 @@ from typing import Any
 from proxy.archives import ArchiveStore
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline
-from proxy.filters import Filters
 from proxy.models import Platform, ProviderAddress
 from proxy.verified_packages import VerifiedPackages, sums_id
 
@@ -26,21 +25,16 @@ class ProviderRegistryService:
     """Answers `providers.v1` requests for every allowed upstream host."""
 
     def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
-                 config: UpstreamConfig, filters: Filters | None = None) -> None:
+                 config: UpstreamConfig) -> None:
         self._packages = packages
         self._archives = archives
         self._config = config
-        self._filters = filters or Filters()
+        self._filters = packages.filters
 
-    def _require_served(self, provider: ProviderAddress) -> None:
-        if not self._config.serves(provider.hostname):
-            raise NotFound(f"host {provider.hostname} is not served by this proxy")
-        if not self._filters.provider_allowed(provider):
-            raise NotFound(f"{provider} is not served by this proxy (filters)")
 
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """`:namespace/:type/versions`, with protocols and (allowed) platforms."""
-        self._require_served(provider)
+        self._packages.require_served(provider)
         entries = await self._packages.version_list(provider)
         if self._config.offline:
             held = await asyncio.to_thread(
@@ -61,7 +55,7 @@ class ProviderRegistryService:
         """Upstream's download document for the package (its URLs still upstream's; the
         caller points them at the proxy) and the name of the SHA256SUMS that vouches for it.
         Served only once the signature and checksum line verified."""
-        self._require_served(provider)
+        self._packages.require_served(provider)
         if not self._filters.platform_allowed(platform):
             raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
         entry = await self._packages.version_entry(provider, version)
@@ -81,7 +75,7 @@ class ProviderRegistryService:
     async def signed_sums(self, provider: ProviderAddress, version: str,
                           name: str) -> tuple[bytes, bytes]:
         """The SHA256SUMS file and its signature, exactly as upstream published them."""
-        self._require_served(provider)
+        self._packages.require_served(provider)
         found = await self._packages.stored_sums(provider, version, name)
         if found is None:
             raise NotFound(f"no verified SHA256SUMS {name[:40]!r} for {provider} {version}")

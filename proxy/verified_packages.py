@@ -14,6 +14,7 @@ from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound
+from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.hashes import h1_of_zip
 from proxy.metrics import Metrics
@@ -47,8 +48,10 @@ class VerifiedPackages:
     """Version lists and verified package facts, fetched on a miss and cached."""
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
-                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics) -> None:
+                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics,
+                 filters: Filters | None = None) -> None:
         self.registry = registry
+        self.filters = filters or Filters()
         self._cache = cache
         self._archives = archives
         self._config = config
@@ -60,6 +63,15 @@ class VerifiedPackages:
             offline=config.offline)
         self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
+
+    def require_served(self, provider: ProviderAddress) -> None:
+        """NotFound unless the proxy serves this provider (host allowed, filters pass).
+        Checked before the cache too: a host dropped from the config is not served from
+        disk."""
+        if not self._config.serves(provider.hostname):
+            raise NotFound(f"host {provider.hostname} is not served by this proxy")
+        if not self.filters.provider_allowed(provider):
+            raise NotFound(f"{provider} is not served by this proxy (filters)")
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
