@@ -25,7 +25,14 @@ from proxy.archives import ArchiveStore
 from proxy.constraints import newest_matching
 from proxy.errors import BadRequest, IntegrityError
 from proxy.hashes import h1_of_zip
-from proxy.models import ModuleAddress, Platform, ProviderAddress, normalize_hostname
+from proxy.models import (
+    ModuleAddress,
+    Platform,
+    ProviderAddress,
+    normalize_hostname,
+    parse_module_version,
+    parse_version,
+)
 from proxy.registry_documents import parse_sha256sums
 from proxy.settings import Config
 from proxy.signatures import verify_detached
@@ -218,12 +225,21 @@ def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]
 
 
 def _verify_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedPackage:
+    """Every check a live fill makes, on the staged files; BundleError names what failed."""
+    try:
+        return _check_provider(entry, staged)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise BundleError(f"invalid provider entry in {MANIFEST}: {exc!r}"[:300]) from None
+
+
+def _check_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedPackage:
     name = f"{entry['hostname']}/{entry['namespace']}/{entry['type']} {entry['version']}"
     try:
         provider = ProviderAddress.parse(entry["hostname"], entry["namespace"], entry["type"])
         Platform.from_key(entry["platform"])
-    except (BadRequest, KeyError) as exc:
-        raise BundleError(f"{name}: invalid entry ({exc})") from None
+        parse_version(entry["version"])
+    except BadRequest as exc:
+        raise BundleError(f"{name}: invalid entry ({exc.message})") from None
     document = entry.get("document") or {}
     keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
         "gpg_public_keys", []) if isinstance(k, dict) and "ascii_armor" in k]
@@ -254,14 +270,23 @@ def import_bundle(config: Config, bundle: Path) -> Counts:
     index = _index(config)
     try:
         manifest, staged = _stage(bundle, staging)
-        verified = [(entry, _verify_provider(entry, staged)) for entry in manifest["providers"]]
+        providers, module_entries = manifest.get("providers"), manifest.get("modules")
+        versions = manifest.get("versions", {})
+        if not isinstance(providers, list) or not isinstance(module_entries, list) \
+                or not isinstance(versions, dict) or not all(
+                    _valid_version_entry(v) for vs in versions.values()
+                    for v in (vs if isinstance(vs, list) else [None])):
+            raise BundleError(f"{MANIFEST} is malformed")
+        verified = [(entry, _verify_provider(entry, staged)) for entry in providers]
         modules = []
-        for entry in manifest["modules"]:
+        for entry in module_entries:
             try:
                 module = ModuleAddress.parse(entry["hostname"], entry["namespace"],
                                              entry["name"], entry["system"])
-            except (BadRequest, KeyError) as exc:
-                raise BundleError(f"invalid module entry ({exc})") from None
+                parse_module_version(entry["version"])
+                staged[entry["archive"]]
+            except (BadRequest, KeyError, TypeError) as exc:
+                raise BundleError(f"invalid module entry in {MANIFEST}: {exc!r}"[:300]) from None
             modules.append((module, entry))
         # Everything verified: now, and only now, the cache changes.
         for entry, package in verified:
@@ -276,7 +301,7 @@ def import_bundle(config: Config, bundle: Path) -> Counts:
                 "sums": staged[entry["sums"]].read_bytes(),
                 "signature": staged[entry["signature"]].read_bytes(),
                 "signed_by": "", "url": ""})
-        for address, entries in manifest.get("versions", {}).items():
+        for address, entries in versions.items():
             _merge_list(index, f"versions/{address}", entries, lambda v: v["version"])
         for module, entry in modules:
             _publish(store, staged[entry["archive"]], [
@@ -288,6 +313,18 @@ def import_bundle(config: Config, bundle: Path) -> Counts:
         shutil.rmtree(staging, ignore_errors=True)
         index.close()
         store.close()
+
+
+def _valid_version_entry(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("platforms"), list):
+        return False
+    try:
+        parse_version(entry["version"])
+        for key in entry["platforms"]:
+            Platform.from_key(key)
+    except (BadRequest, KeyError, TypeError):
+        return False
+    return True
 
 
 def import_mirror_directory(config: Config, directory: Path) -> Counts:

@@ -210,3 +210,31 @@ def test_warm_a_running_proxy(tmp_path: Path, write_config: Callable[..., Path],
     assert rows["registry.terraform.io/hashicorp/null 3.1.0"].endswith("ok")
     assert rows["registry.terraform.io/acme/tarball/aws"].endswith("ok")
     assert "HTTP 404" in rows["registry.terraform.io/hashicorp/nonexistent"]
+
+
+@pytest.mark.parametrize("damage", ["drop a file", "bad version", "no manifest"])
+def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
+                                               damage: str) -> None:
+    with tarfile.open(bundle) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
+                   if m.isfile()}
+    manifest = json.loads(members["manifest.json"])
+    if damage == "drop a file":
+        del members[manifest["providers"][0]["sums"]]
+        del manifest["files"][manifest["providers"][0]["sums"]]
+    elif damage == "bad version":
+        manifest["providers"][0]["version"] = "../../../etc"
+    members["manifest.json"] = json.dumps(manifest).encode()
+    if damage == "no manifest":
+        del members["manifest.json"]
+    broken = tmp_path / "broken.tar"
+    with tarfile.open(broken, "w") as tar:
+        for member_name, content in members.items():
+            info = tarfile.TarInfo(member_name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")), str(broken),
+                 cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "refused" in result.stderr and "Traceback" not in result.stderr
+    assert not list((tmp_path / "inside").rglob("*.zip"))
