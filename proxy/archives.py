@@ -157,7 +157,9 @@ class ArchiveStore:
             if leftover in (self.tmp, self.tmp_root / _LOCKS):
                 continue  # lock files must outlive any one process: never swept
             if leftover.is_dir() and not leftover.is_symlink():
-                if _held_by_a_live_process(leftover / _LOCK_NAME):
+                # A directory only just made may not be locked yet by its (live) owner.
+                young = time.time() - leftover.stat().st_mtime < _YOUNG_SECONDS
+                if young or _held_by_a_live_process(leftover / _LOCK_NAME):
                     continue
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -333,6 +335,7 @@ async def h1_of_stored(path: Path) -> str | None:
 
 
 _LOCK_NAME = ".owner.lock"
+_YOUNG_SECONDS = 60.0
 _LOCKS = "locks"
 
 

@@ -11,9 +11,11 @@ import io
 import json
 import os
 import posixpath
+import re
 import shutil
 import tarfile
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ from proxy.verified_packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
 from proxy.warm_sources import Requirement
 
 FORMAT = 1
+_SUMS_ID = re.compile(r"[0-9a-f]{32}")
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -188,6 +191,13 @@ def _safe_member(name: str) -> str:
 def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]]:
     """Copy every member out (never tar.extractall), checking each against the manifest."""
     try:
+        return _stage_members(bundle, staging)
+    except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
+        raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
+
+
+def _stage_members(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+    try:
         tar = tarfile.open(bundle, "r")
     except (OSError, tarfile.TarError) as exc:
         raise BundleError(f"not a readable tar bundle: {exc}") from None
@@ -199,7 +209,10 @@ def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]
             manifest = None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise BundleError(f"{MANIFEST} is missing or not a bundle manifest")
-        expected: dict[str, str] = manifest.get("files", {})
+        expected = manifest.get("files", {})
+        if not isinstance(expected, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
+            raise BundleError(f"{MANIFEST}: files is not a table of sha256 digests")
         staged: dict[str, Path] = {}
         for member in tar.getmembers():
             name = _safe_member(member.name)
@@ -224,28 +237,43 @@ def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]
     return manifest, staged
 
 
-def _verify_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedPackage:
+def _verify_provider(entry: dict[str, Any], staged: dict[str, Path],
+                     trusted_keys: list[str] | None) -> VerifiedPackage:
     """Every check a live fill makes, on the staged files; BundleError names what failed."""
     try:
-        return _check_provider(entry, staged)
+        return _check_provider(entry, staged, trusted_keys)
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise BundleError(f"invalid provider entry in {MANIFEST}: {exc!r}"[:300]) from None
 
 
-def _check_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedPackage:
+def _check_provider(entry: dict[str, Any], staged: dict[str, Path],
+                    trusted_keys: list[str] | None) -> VerifiedPackage:
     name = f"{entry['hostname']}/{entry['namespace']}/{entry['type']} {entry['version']}"
     try:
         provider = ProviderAddress.parse(entry["hostname"], entry["namespace"], entry["type"])
-        Platform.from_key(entry["platform"])
-        parse_version(entry["version"])
+        platform = Platform.from_key(entry["platform"])
+        version = parse_version(entry["version"])
     except BadRequest as exc:
         raise BundleError(f"{name}: invalid entry ({exc.message})") from None
+    # The signature binds file name to checksum; the file name binds version and platform.
+    if entry["filename"] != provider.archive_filename(version, platform):
+        raise BundleError(f"{name}: file name {entry['filename']!r} is not the package of "
+                          f"{version} {platform.key}")
+    if not _SUMS_ID.fullmatch(str(entry["sums_id"])):
+        raise BundleError(f"{name}: invalid sums_id")
     document = entry.get("document") or {}
-    keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
+    if document and (document.get("filename"), document.get("shasum"),
+                     document.get("os"), document.get("arch")) != (
+            entry["filename"], entry["shasum"], platform.os, platform.arch):
+        raise BundleError(f"{name}: the download document does not describe this package")
+    bundle_keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
         "gpg_public_keys", []) if isinstance(k, dict) and "ascii_armor" in k]
+    # Keys carried in the bundle prove nothing by themselves: a tampered bundle can carry its
+    # own. Signatures must verify with keys trusted from outside the bundle.
+    keys = bundle_keys if trusted_keys is None else trusted_keys
     sums = staged[entry["sums"]].read_bytes()
     signature = staged[entry["signature"]].read_bytes()
-    if keys or provider.hostname not in UNSIGNED_ALLOWED_HOSTS:
+    if keys or provider.hostname not in UNSIGNED_ALLOWED_HOSTS or trusted_keys is not None:
         try:
             verify_detached(sums, signature, keys)
         except IntegrityError as exc:
@@ -255,15 +283,23 @@ def _check_provider(entry: dict[str, Any], staged: dict[str, Path]) -> VerifiedP
     zip_path = staged[entry["zip"]]
     if _sha256(zip_path) != entry["shasum"]:
         raise BundleError(f"{entry['zip']}: sha256 does not match the signed checksum")
-    h1 = h1_of_zip(zip_path)
+    try:
+        h1 = h1_of_zip(zip_path)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        raise BundleError(f"{entry['zip']}: not a valid zip") from None
     if entry.get("h1") and entry["h1"] != h1:
         raise BundleError(f"{entry['zip']}: h1 does not match")
     return VerifiedPackage(entry["filename"], entry["shasum"], h1, zip_path.stat().st_size,
-                           entry["sums_id"], document)
+                           entry["sums_id"], document or None)
 
 
-def import_bundle(config: Config, bundle: Path) -> Counts:
-    """Verify everything in the bundle, then add it to the cache (all or nothing)."""
+def import_bundle(config: Config, bundle: Path,
+                  trusted_keys: list[str] | None = None) -> Counts:
+    """Verify everything in the bundle, then add it to the cache (all or nothing).
+
+    trusted_keys: armored OpenPGP keys that provider signatures must verify with. None
+    means the keys the bundle itself carries (only sensible when the bundle's own integrity
+    is ensured some other way; the CLI asks for it explicitly)."""
     store = ArchiveStore(config.cache.dir)
     staging = store.tmp / "import"
     staging.mkdir()
@@ -273,40 +309,34 @@ def import_bundle(config: Config, bundle: Path) -> Counts:
         providers, module_entries = manifest.get("providers"), manifest.get("modules")
         versions = manifest.get("versions", {})
         if not isinstance(providers, list) or not isinstance(module_entries, list) \
-                or not isinstance(versions, dict) or not all(
-                    _valid_version_entry(v) for vs in versions.values()
-                    for v in (vs if isinstance(vs, list) else [None])):
+                or not isinstance(versions, dict):
             raise BundleError(f"{MANIFEST} is malformed")
-        verified = [(entry, _verify_provider(entry, staged)) for entry in providers]
-        modules = []
-        for entry in module_entries:
-            try:
-                module = ModuleAddress.parse(entry["hostname"], entry["namespace"],
-                                             entry["name"], entry["system"])
-                parse_module_version(entry["version"])
-                staged[entry["archive"]]
-            except (BadRequest, KeyError, TypeError) as exc:
-                raise BundleError(f"invalid module entry in {MANIFEST}: {exc!r}"[:300]) from None
-            modules.append((module, entry))
-        # Everything verified: now, and only now, the cache changes.
+        verified = [(entry, _verify_provider(entry, staged, trusted_keys))
+                    for entry in providers]
+        modules = [(_module_of(entry, staged), entry) for entry in module_entries]
+        _refuse_duplicates([e["zip"] for e, _p in verified] + [e["archive"] for e in
+                                                               module_entries])
+        imported = {f"{e['hostname']}/{e['namespace']}/{e['type']}" for e, _p in verified}
+        for address, entries in versions.items():
+            if address not in imported or not isinstance(entries, list) \
+                    or not all(_valid_version_entry(v) for v in entries):
+                raise BundleError(f"{MANIFEST}: invalid version list for {address[:100]!r}")
+        changes = _planned_changes(index, store, staged, verified, modules)
+        # Everything verified: now, and only now, the cache changes; files first, then the
+        # index records that vouch for them.
+        for source, parts in changes:
+            _publish(store, source, parts)
         for entry, package in verified:
             provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
-            platform = Platform.from_key(entry["platform"])
-            _publish(store, staged[entry["zip"]], [
-                "archives", provider.hostname, provider.namespace, provider.type,
-                entry["version"], provider.archive_filename(entry["version"], platform)])
-            index.set(f"package/{provider}/{entry['version']}/{platform.key}",
-                      asdict(package))
-            index.set(f"sums/{provider}/{entry['version']}/{package.sums_id}", {
+            key = f"{provider}/{entry['version']}"
+            index.set(f"sums/{key}/{package.sums_id}", {
                 "sums": staged[entry["sums"]].read_bytes(),
                 "signature": staged[entry["signature"]].read_bytes(),
                 "signed_by": "", "url": ""})
+            index.set(f"package/{key}/{entry['platform']}", asdict(package))
         for address, entries in versions.items():
             _merge_list(index, f"versions/{address}", entries, lambda v: v["version"])
         for module, entry in modules:
-            _publish(store, staged[entry["archive"]], [
-                "modules", module.hostname, module.namespace, module.name, module.system,
-                f"{entry['version']}.tar.gz"])
             _merge_list(index, f"module-versions/{module}", [entry["version"]], str)
         return Counts(len(verified), len(modules))
     finally:
@@ -315,8 +345,56 @@ def import_bundle(config: Config, bundle: Path) -> Counts:
         store.close()
 
 
+def _module_of(entry: Any, staged: dict[str, Path]) -> ModuleAddress:
+    try:
+        module = ModuleAddress.parse(entry["hostname"], entry["namespace"], entry["name"],
+                                     entry["system"])
+        parse_module_version(entry["version"])
+        staged[entry["archive"]]
+    except (BadRequest, KeyError, TypeError) as exc:
+        raise BundleError(f"invalid module entry in {MANIFEST}: {exc!r}"[:300]) from None
+    return module
+
+
+def _refuse_duplicates(members: list[str]) -> None:
+    seen: set[str] = set()
+    for member in members:
+        if member in seen:
+            raise BundleError(f"{member}: used by two entries")
+        seen.add(member)
+
+
+def _planned_changes(index: diskcache.Cache, store: ArchiveStore, staged: dict[str, Path],
+                     verified: list[tuple[dict[str, Any], VerifiedPackage]],
+                     modules: list[tuple[ModuleAddress, dict[str, Any]]],
+                     ) -> list[tuple[Path, list[str]]]:
+    """The files to publish. What the cache already holds stays: the same package again is
+    skipped; a different one under the same name refuses the bundle."""
+    changes = []
+    for entry, package in verified:
+        provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
+        existing = index.get(f"package/{provider}/{entry['version']}/{entry['platform']}")
+        if isinstance(existing, dict) and existing.get("shasum") != package.shasum:
+            raise BundleError(f"{entry['zip']}: the cache holds a different package under "
+                              "this name")
+        changes.append((staged[entry["zip"]], [
+            "archives", provider.hostname, provider.namespace, provider.type,
+            entry["version"], entry["filename"]]))
+    for module, entry in modules:
+        parts = ["modules", module.hostname, module.namespace, module.name, module.system,
+                 f"{entry['version']}.tar.gz"]
+        target = store.path_for(parts)
+        if target.exists() and _sha256(target) != _sha256(staged[entry["archive"]]):
+            raise BundleError(f"{entry['archive']}: the cache holds a different module "
+                              "archive under this name")
+        changes.append((staged[entry["archive"]], parts))
+    return changes
+
+
 def _valid_version_entry(entry: object) -> bool:
-    if not isinstance(entry, dict) or not isinstance(entry.get("platforms"), list):
+    if not isinstance(entry, dict) or not isinstance(entry.get("platforms"), list) \
+            or not isinstance(entry.get("protocols"), list) \
+            or not all(isinstance(p, str) for p in entry["protocols"]):
         return False
     try:
         parse_version(entry["version"])
@@ -349,19 +427,30 @@ def import_mirror_directory(config: Config, directory: Path) -> Counts:
                 hashes = set(listed["hashes"])
             except (OSError, ValueError, KeyError, TypeError):
                 raise BundleError(f"{document_path}: no hashes for {platform.key}") from None
-            sha, h1 = _sha256(zip_path), h1_of_zip(zip_path)
+            copy = store.temp_file()  # check the copy that will be stored, not the source
+            shutil.copyfile(zip_path, copy)
+            try:
+                sha, h1 = _sha256(copy), h1_of_zip(copy)
+            except (zipfile.BadZipFile, OSError, ValueError):
+                raise BundleError(f"{zip_path}: not a valid zip") from None
             if h1 not in hashes and f"zh:{sha}" not in hashes:
                 raise BundleError(f"{zip_path}: matches none of the hashes in "
                                   f"{document_path.name}")
-            found.append((provider, version, platform, zip_path, sha, h1))
-        for provider, version, platform, zip_path, sha, h1 in found:
-            temp = store.temp_file()
-            shutil.copyfile(zip_path, temp)
-            _publish(store, temp, ["archives", provider.hostname, provider.namespace,
+            existing = index.get(f"package/{provider}/{version}/{platform.key}")
+            if isinstance(existing, dict) and existing.get("shasum") != sha:
+                raise BundleError(f"{zip_path}: the cache holds a different package under "
+                                  "this name")
+            found.append((provider, version, platform, copy, sha, h1, existing))
+        for provider, version, platform, copy, sha, h1, existing in found:
+            if isinstance(existing, dict):
+                copy.unlink()
+                continue  # the same package, maybe with more facts (signatures): keep those
+            size = copy.stat().st_size
+            _publish(store, copy, ["archives", provider.hostname, provider.namespace,
                                    provider.type, version,
                                    provider.archive_filename(version, platform)])
             index.set(f"package/{provider}/{version}/{platform.key}", asdict(
-                VerifiedPackage(zip_path.name, sha, h1, zip_path.stat().st_size)))
+                VerifiedPackage(provider.archive_filename(version, platform), sha, h1, size)))
             entry = {"version": version, "protocols": [], "platforms": [platform.key]}
             _merge_list(index, f"versions/{provider}", [entry], lambda v: v["version"])
         return Counts(len(found), 0)
@@ -394,3 +483,12 @@ def _merge_list(index: diskcache.Cache, record_key: str, entries: list[Any],
                                        | set(entry.get("platforms", [])))
     index.set(record_key, {"fetched_at": record["fetched_at"] if isinstance(record, dict)
                            else 0, "value": current})
+
+
+def split_armored_keys(text: str) -> list[str]:
+    """Each armored public key block of a file that may hold several."""
+    marker = "-----BEGIN PGP PUBLIC KEY BLOCK-----"
+    blocks = [marker + part for part in text.split(marker)[1:]]
+    if not blocks:
+        raise BundleError("the trusted keys file holds no armored OpenPGP public key")
+    return blocks

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
 import ssl
 import sys
@@ -19,7 +20,13 @@ from aiohttp import web
 from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app
-from proxy.bundle import BundleError, export_bundle, import_bundle, import_mirror_directory
+from proxy.bundle import (
+    BundleError,
+    export_bundle,
+    import_bundle,
+    import_mirror_directory,
+    split_armored_keys,
+)
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.tls import ensure_certificate, ssl_context
@@ -70,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("bundle", type=Path, metavar="BUNDLE",
                                  help="a bundle from `export`, or a directory written by "
                                       "`terraform providers mirror`")
+            trust = command.add_mutually_exclusive_group()
+            trust.add_argument("--trusted-keys", type=Path, metavar="KEYS.asc",
+                               help="armored OpenPGP public keys that provider signatures "
+                                    "must verify with (e.g. the registries' release keys)")
+            trust.add_argument("--trust-bundle-keys", action="store_true",
+                               help="verify with the keys the bundle carries; only when the "
+                                    "bundle itself came over a trusted path")
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",
@@ -138,8 +152,16 @@ def _import(config: Config, args: argparse.Namespace) -> int:
     try:
         if args.bundle.is_dir():
             counts = import_mirror_directory(config, args.bundle)
+        elif args.trusted_keys is None and not args.trust_bundle_keys:
+            return _fail("import of a bundle needs --trusted-keys KEYS.asc (signatures must "
+                         "verify with keys from outside the bundle) or, if the bundle came "
+                         "over a trusted path, --trust-bundle-keys")
         else:
-            counts = import_bundle(config, args.bundle)
+            keys = None if args.trust_bundle_keys else split_armored_keys(
+                args.trusted_keys.read_text())
+            counts = import_bundle(config, args.bundle, keys)
+    except OSError as exc:
+        return _fail(f"cannot read {exc.filename}: {exc.strerror}")
     except BundleError as exc:
         return _fail(f"refused {args.bundle}: {exc}")
     print(f"imported {counts.providers} provider packages, {counts.modules} module archives")
@@ -185,29 +207,37 @@ def _run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
 
 
 def _serve_workers(config: Config, generated_ca: Path | None) -> int:
-    """N processes on one port (SO_REUSEPORT) sharing the disk cache; the parent forwards
-    SIGTERM/SIGINT and exits when they do."""
+    """N processes on one port (SO_REUSEPORT) sharing the disk cache. The parent forwards
+    SIGTERM/SIGINT; when one worker dies, it stops the others and exits with its status."""
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
                              name=f"worker-{index}") for index in range(config.server.workers)]
-    for worker in workers:
-        worker.start()
+    stopping = False
 
-    def stop(_signum: int, _frame: object) -> None:
+    def stop(_signum: int = signal.SIGTERM, _frame: object = None) -> None:
+        nonlocal stopping
+        stopping = True
         for worker in workers:
             if worker.is_alive():
                 worker.terminate()
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
     signal.signal(signal.SIGINT, stop)
+    for worker in workers:
+        worker.start()
     log.info("started %d worker processes", len(workers))
     code = 0
-    for worker in workers:
-        worker.join()
-        if worker.exitcode not in (0, -signal.SIGTERM):
-            code = code or (worker.exitcode or 1)
-            stop(signal.SIGTERM, None)  # one failed: stop the others too
-    return code
+    running = list(workers)
+    while running:
+        multiprocessing.connection.wait([w.sentinel for w in running])
+        for worker in [w for w in running if not w.is_alive()]:
+            running.remove(worker)
+            worker.join()
+            if not stopping:
+                log.error("%s exited (%s); stopping the others", worker.name, worker.exitcode)
+                code = worker.exitcode or 1
+                stop()
+    return code if code >= 0 else 1
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:

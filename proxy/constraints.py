@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-_CONSTRAINT = re.compile(r"^\s*(=|!=|>=|<=|>|<|~>)?\s*v?([0-9][0-9A-Za-z.+-]*)\s*$")
+_CONSTRAINT = re.compile(
+    r"^\s*(=|!=|>=|<=|>|<|~>)?\s*v?(\d+(?:\.\d+){0,3}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)\s*$")
 
 
 def _parts(version: str) -> tuple[tuple[int, ...], str]:
@@ -16,9 +17,12 @@ def _parts(version: str) -> tuple[tuple[int, ...], str]:
     return (*values, 0, 0, 0)[:max(3, len(values))], pre
 
 
-def _key(version: str) -> tuple[tuple[int, ...], int, str]:
+def _key(version: str) -> tuple[tuple[int, ...], int, tuple[tuple[int, int | str], ...]]:
     numbers, pre = _parts(version)
-    return numbers, 0 if pre else 1, pre
+    # Pre-release identifiers compare numerically where numeric (beta.10 after beta.2).
+    idents = tuple((0, int(p)) if p.isdigit() else (1, p) for p in pre.split(".")) if pre \
+        else ()
+    return numbers, 0 if pre else 1, idents
 
 
 def _satisfies(version: str, op: str, wanted: str) -> bool:

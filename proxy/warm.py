@@ -74,7 +74,8 @@ async def warm(base_url: str, requirements: list[Requirement], platforms: list[s
                         await _provider(session, requirement, platforms, result, progress)
                     else:
                         await _module(session, requirement, result, progress)
-                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError,
+                        TypeError, AssertionError) as exc:  # whatever a proxy answered
                     result.problems.append(str(exc) or type(exc).__name__)
                 return result
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import hcl2
 
+from proxy.constraints import parse_constraint
 from proxy.errors import BadRequest
 from proxy.models import ModuleAddress, ProviderAddress
 
@@ -27,6 +28,12 @@ class Requirement:
 
     address: ProviderAddress | ModuleAddress
     constraint: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_constraint(self.constraint)
+        except ValueError as exc:
+            raise SourceError(f"{self.address}: {exc}") from None
 
     @property
     def kind(self) -> str:
@@ -85,9 +92,11 @@ def _module(source: str, where: str) -> ModuleAddress | None:
     if source.startswith(("./", "../", "/")) or "::" in source or "://" in source:
         return None
     parts = source.split("//", 1)[0].split("/")
+    if parts[0] in ("github.com", "bitbucket.org") or (len(parts) == 3 and "." in parts[0]):
+        return None  # go-getter shorthands, not registry addresses
     if len(parts) == 3:
         parts = [DEFAULT_HOST, *parts]
-    if len(parts) != 4 or "." not in parts[0] or parts[0] in ("github.com", "bitbucket.org"):
+    if len(parts) != 4 or "." not in parts[0]:
         return None
     try:
         return ModuleAddress.parse(*parts)

@@ -18,6 +18,7 @@ from proxy.app import create_app
 from proxy.config import load_config
 from proxy.hashes import h1_of_zip
 from tests.support.fake_registry import FakeRegistry
+from tests.support.gpg import GpgKey
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.terraform import terraform_env, terraform_init
 
@@ -63,6 +64,14 @@ mode = "offline"
 
 
 @pytest.fixture
+def trusted_keys(tmp_path: Path, signer: GpgKey) -> Path:
+    """The release signer's public key, as an operator would get it from the registry."""
+    path = tmp_path / "trusted-keys.asc"
+    path.write_text(signer.armored_public_key)
+    return path
+
+
+@pytest.fixture
 def bundle(tmp_path: Path, write_config: Callable[..., Path],
            registry: FakeRegistry) -> Path:
     """Warm a connected proxy's cache from a configuration and export it."""
@@ -102,11 +111,14 @@ def bundle(tmp_path: Path, write_config: Callable[..., Path],
 
 
 @pytest.mark.e2e
-def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path,
+def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, trusted_keys: Path,
                                         registry: FakeRegistry) -> None:
     port = free_port()
     inside = offline_config(tmp_path, "inside", port)
-    imported = cli("import", "--config", str(inside), str(bundle), cwd=tmp_path)
+    refused = cli("import", "--config", str(inside), str(bundle), cwd=tmp_path)
+    assert refused.returncode == 2 and "--trusted-keys" in refused.stderr
+    imported = cli("import", "--config", str(inside), "--trusted-keys", str(trusted_keys),
+                   str(bundle), cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr
     registry.requests.clear()
     with ProxyProcess(inside, tmp_path / "inside", port, tmp_path / "inside.log") as proxy:
@@ -133,7 +145,8 @@ def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path,
     altered = tmp_path / "altered.tar"
     altered.write_bytes(bytes(data))
     inside = offline_config(tmp_path, "inside")
-    result = cli("import", "--config", str(inside), str(altered), cwd=tmp_path)
+    result = cli("import", "--config", str(inside), "--trust-bundle-keys", str(altered),
+                 cwd=tmp_path)
     assert result.returncode == 2
     assert member.name in result.stderr and "does not match the manifest" in result.stderr
     cache = tmp_path / "inside"
@@ -158,8 +171,8 @@ def test_a_forged_manifest_cannot_carry_a_forged_package(tmp_path: Path,
             info = tarfile.TarInfo(member_name)
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
-    result = cli("import", "--config", str(offline_config(tmp_path, "inside")), str(forged),
-                 cwd=tmp_path)
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                 "--trust-bundle-keys", str(forged), cwd=tmp_path)
     assert result.returncode == 2
     assert "signed checksum" in result.stderr
 
@@ -233,8 +246,53 @@ def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
             info = tarfile.TarInfo(member_name)
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
-    result = cli("import", "--config", str(offline_config(tmp_path, "inside")), str(broken),
-                 cwd=tmp_path)
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                 "--trust-bundle-keys", str(broken), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "refused" in result.stderr and "Traceback" not in result.stderr
+    assert not list((tmp_path / "inside").rglob("*.zip"))
+
+
+def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
+                                                   trusted_keys: Path, impostor: GpgKey,
+                                                   registry: FakeRegistry) -> None:
+    """Replace a package, re-sign its SHA256SUMS with another key and put that key in the
+    bundle: consistent with itself, but not with the trusted keys."""
+    import hashlib
+    with tarfile.open(bundle) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
+                   if m.isfile()}
+    manifest = json.loads(members["manifest.json"])
+    entry = next(e for e in manifest["providers"] if e["platform"] == "linux_amd64"
+                 and e["type"] == "null")
+    from tests.support.fake_registry import build_zip
+    evil = build_zip({"terraform-provider-null_v3.2.1": (b"#!/bin/sh\necho pwned\n", 0o755)})
+    sha = hashlib.sha256(evil).hexdigest()
+    sums = f"{sha}  {entry['filename']}\n".encode()
+    members[entry["zip"]] = evil
+    members[entry["sums"]] = sums
+    members[entry["signature"]] = impostor.detach_sign(sums)
+    entry["shasum"], entry["h1"] = sha, None
+    entry["document"]["shasum"] = sha
+    entry["document"]["signing_keys"] = {"gpg_public_keys": [
+        {"ascii_armor": impostor.armored_public_key}]}
+    for name in (entry["zip"], entry["sums"], entry["signature"]):
+        manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
+    manifest["providers"] = [entry]
+    members = {k: v for k, v in members.items()
+               if k in (entry["zip"], entry["sums"], entry["signature"])}
+    manifest["files"] = {k: manifest["files"][k] for k in members}
+    manifest["modules"] = []
+    manifest["versions"] = {}
+    members["manifest.json"] = json.dumps(manifest).encode()
+    forged = tmp_path / "self-signed.tar"
+    with tarfile.open(forged, "w") as tar:
+        for member_name, content in members.items():
+            info = tarfile.TarInfo(member_name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                 "--trusted-keys", str(trusted_keys), str(forged), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "does not verify" in result.stderr
     assert not list((tmp_path / "inside").rglob("*.zip"))

@@ -19,6 +19,12 @@ def test_newest_matching(constraint: str, expected: str | None) -> None:
     assert newest_matching(VERSIONS, constraint) == expected
 
 
-def test_malformed() -> None:
+@pytest.mark.parametrize("bad", ["about 5", ">= 1.2.3abc", "~> 1.x", "~> 1..2", "=> 1.0"])
+def test_malformed(bad: str) -> None:
     with pytest.raises(ValueError):
-        parse_constraint("about 5")
+        parse_constraint(bad)
+
+
+def test_pre_releases_compare_by_identifier() -> None:
+    versions = ["2.1.0-beta.2", "2.1.0-beta.10"]
+    assert newest_matching(versions, ">= 2.1.0-beta.2, = 2.1.0-beta.10") == "2.1.0-beta.10"

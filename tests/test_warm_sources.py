@@ -30,6 +30,9 @@ module "inner" {
 module "git" {
   source = "git::https://example.com/x.git"
 }
+module "github" {
+  source = "github.com/hashicorp/example"
+}
 ''')
     (tmp_path / "modules/inner").mkdir(parents=True)
     (tmp_path / "modules/inner/main.tf").write_text('''
@@ -67,7 +70,8 @@ def test_lock_file_and_list(tmp_path: Path) -> None:
                      ("registry.terraform.io/hashicorp/random", "")}
 
 
-@pytest.mark.parametrize("content", ["not/a/valid/provider/address x", "../etc/passwd 1.0"])
+@pytest.mark.parametrize("content", ["not/a/valid/provider/address x", "../etc/passwd 1.0",
+                                     "hashicorp/null ~> 1.x"])
 def test_bad_list_lines(tmp_path: Path, content: str) -> None:
     listing = tmp_path / "list.txt"
     listing.write_text(content + "\n")

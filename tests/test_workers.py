@@ -4,6 +4,8 @@ clean shutdown."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -41,3 +43,22 @@ def test_workers_share_one_port_and_one_cache(
         while any(Path(f"/proc/{pid}").exists() for pid in children):
             assert time.monotonic() < deadline, "workers outlived the parent"
             time.sleep(0.1)
+
+
+def test_a_dead_worker_stops_the_service(tmp_path: Path, write_config: Callable[..., Path],
+                                         registry: FakeRegistry) -> None:
+    """Not a silent half-capacity service: the parent stops and says so (a supervisor such
+    as systemd or Docker then restarts it)."""
+    port = free_port()
+    cache = tmp_path / "cache"
+    proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
+                         tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+    with proxy:
+        assert proxy.process is not None
+        children = subprocess.run(["pgrep", "-P", str(proxy.process.pid), "-f", "spawn_main"],
+                                  capture_output=True, text=True).stdout.split()
+        workers = [pid for pid in children
+                   if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        assert proxy.process.wait(timeout=20) != 0
+    assert "stopping the others" in proxy.log.read_text()
