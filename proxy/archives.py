@@ -133,9 +133,13 @@ class ArchiveStore:
         # cache (workers, or a restarted one) sweep only what dead processes left behind.
         self.tmp_root = cache_dir / "tmp"
         self.tmp_root.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"p{os.getpid()}-", dir=self.tmp_root))
-        self._tmp_lock = open(self.tmp / _LOCK_NAME, "wb")
+        # Made under a name sweepers leave alone, locked, then renamed: no other process
+        # ever sees it unlocked.
+        pending = Path(tempfile.mkdtemp(prefix=_PENDING, dir=self.tmp_root))
+        self._tmp_lock = open(pending / _LOCK_NAME, "wb")
         fcntl.flock(self._tmp_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.tmp = self.tmp_root / f"p{os.getpid()}-{pending.name[len(_PENDING):]}"
+        os.rename(pending, self.tmp)
         self.max_size = max_size
         self.used_bytes = 0
         self.file_count = 0
@@ -157,9 +161,11 @@ class ArchiveStore:
             if leftover in (self.tmp, self.tmp_root / _LOCKS):
                 continue  # lock files must outlive any one process: never swept
             if leftover.is_dir() and not leftover.is_symlink():
-                # A directory only just made may not be locked yet by its (live) owner.
-                young = time.time() - leftover.stat().st_mtime < _YOUNG_SECONDS
-                if young or _held_by_a_live_process(leftover / _LOCK_NAME):
+                if leftover.name.startswith(_PENDING):
+                    # Being set up by a starting process (or left by one that died then).
+                    if time.time() - leftover.stat().st_mtime < _YOUNG_SECONDS:
+                        continue
+                elif _held_by_a_live_process(leftover / _LOCK_NAME):
                     continue
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
@@ -336,6 +342,7 @@ async def h1_of_stored(path: Path) -> str | None:
 
 _LOCK_NAME = ".owner.lock"
 _YOUNG_SECONDS = 60.0
+_PENDING = ".new-"
 _LOCKS = "locks"
 
 

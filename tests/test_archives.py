@@ -64,8 +64,7 @@ def test_sweep_removes_what_dead_processes_left_and_spares_live_ones(tmp_path: P
     (dead / ".owner.lock").write_bytes(b"")  # nobody holds it any more
     (dead / "half.part").write_bytes(b"half")
     (tmp_path / "tmp" / "old-format.part").write_bytes(b"half")
-    os.utime(dead, (1, 1))  # long dead (a brand-new directory may not be locked yet)
-    young = tmp_path / "tmp" / "p999998-just-starting"
+    young = tmp_path / "tmp" / ".new-just-starting"  # another process setting up
     young.mkdir()
     mine = ArchiveStore(tmp_path)
     assert mine.sweep_temp() == 2
