@@ -6,8 +6,10 @@ what is already cached is a hit."""
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 from urllib.parse import urljoin, urlsplit
@@ -57,12 +59,16 @@ class _Progress:
 
 async def warm(base_url: str, requirements: list[Requirement], platforms: list[str],
                context: ssl.SSLContext | None = None, token: str | None = None,
-               out: TextIO = sys.stderr) -> list[WarmResult]:
-    """Warm through the proxy at base_url; returns one result per requirement."""
+               out: TextIO = sys.stderr, unix_socket: str | None = None
+               ) -> list[WarmResult]:
+    """Warm through the proxy at base_url (over unix_socket if given); returns one result
+    per requirement."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     progress = _Progress(out)
     limit = asyncio.Semaphore(_CONCURRENCY)
-    connector = aiohttp.TCPConnector(ssl=context if context is not None else False)
+    connector: aiohttp.BaseConnector = (
+        aiohttp.UnixConnector(path=unix_socket) if unix_socket is not None
+        else aiohttp.TCPConnector(ssl=context if context is not None else False))
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(base_url, headers=headers, connector=connector,
                                      timeout=timeout) as session:
@@ -146,18 +152,20 @@ async def _module(session: aiohttp.ClientSession, requirement: Requirement,
 
 async def warm_cache(config: Config, requirements: list[Requirement], platforms: list[str],
                      out: TextIO = sys.stderr) -> list[WarmResult]:
-    """Warm the cache directory of `config` with a proxy started in this process (plain HTTP
-    on loopback, no client authentication), which stops when done."""
+    """Warm the cache directory of `config` with a proxy started in this process, which
+    stops when done. It listens on a unix socket in a private directory: no other local user
+    can use it (or the upstream credentials it holds) meanwhile."""
     app = create_app(replace(config, auth=AuthConfig()))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        return await warm(f"http://127.0.0.1:{port}", requirements, platforms, out=out)
-    finally:
-        await runner.cleanup()
+    with tempfile.TemporaryDirectory(prefix="tfproxy-warm-") as private:  # mode 0700
+        socket_path = os.path.join(private, "proxy.sock")
+        await web.UnixSite(runner, socket_path).start()
+        try:
+            return await warm("http://localhost", requirements, platforms, out=out,
+                              unix_socket=socket_path)
+        finally:
+            await runner.cleanup()
 
 
 def summary(results: list[WarmResult]) -> str:
