@@ -188,15 +188,17 @@ def _safe_member(name: str) -> str:
     return normalized
 
 
-def _stage(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+def _stage(bundle: Path, staging: Path,
+           max_member: int) -> tuple[dict[str, Any], dict[str, Path]]:
     """Copy every member out (never tar.extractall), checking each against the manifest."""
     try:
-        return _stage_members(bundle, staging)
+        return _stage_members(bundle, staging, max_member)
     except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
         raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
 
 
-def _stage_members(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+def _stage_members(bundle: Path, staging: Path,
+                   max_member: int) -> tuple[dict[str, Any], dict[str, Path]]:
     try:
         tar = tarfile.open(bundle, "r")
     except (OSError, tarfile.TarError) as exc:
@@ -220,6 +222,9 @@ def _stage_members(bundle: Path, staging: Path) -> tuple[dict[str, Any], dict[st
                 continue
             if not member.isfile() or name not in expected:
                 raise BundleError(f"{name}: not listed in the manifest")
+            if member.size > max_member:
+                raise BundleError(f"{name}: {member.size} bytes, over the {max_member}-byte "
+                                  "limit (upstream.max_archive_size)")
             target = staging / hashlib.sha256(name.encode()).hexdigest()
             source = tar.extractfile(member)
             assert source is not None
@@ -305,7 +310,8 @@ def import_bundle(config: Config, bundle: Path,
     staging.mkdir()
     index = _index(config)
     try:
-        manifest, staged = _stage(bundle, staging)
+        manifest, staged = _stage(bundle, staging, max(config.upstream.max_archive_size,
+                                                       config.modules.max_archive_size))
         providers, module_entries = manifest.get("providers"), manifest.get("modules")
         versions = manifest.get("versions", {})
         if not isinstance(providers, list) or not isinstance(module_entries, list) \
