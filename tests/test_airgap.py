@@ -10,6 +10,7 @@ import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -60,6 +61,27 @@ mode = "offline"
 "providers.v1" = "https://upstream.invalid/v1/providers/"
 "modules.v1" = "https://upstream.invalid/v1/modules/"
 """)
+    return path
+
+
+def read_bundle(bundle: Path) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Every member of a bundle, and its manifest."""
+    with tarfile.open(bundle) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
+                   if m.isfile()}
+    return members, json.loads(members["manifest.json"])
+
+
+def write_bundle(path: Path, members: dict[str, bytes],
+                 manifest: dict[str, Any] | None = None) -> Path:
+    """A tar of the given members (the manifest, when given, rewritten first)."""
+    if manifest is not None:
+        members = {**members, "manifest.json": json.dumps(manifest).encode()}
+    with tarfile.open(path, "w") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
     return path
 
 
@@ -156,21 +178,12 @@ def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path,
 def test_a_forged_manifest_cannot_carry_a_forged_package(tmp_path: Path,
                                                          bundle: Path) -> None:
     """Rewrite a zip and its manifest line consistently: the signed checksum still says no."""
-    with tarfile.open(bundle) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
-                   if m.isfile()}
-    manifest = json.loads(members["manifest.json"])
+    members, manifest = read_bundle(bundle)
     name = next(n for n in members if n.endswith("linux_amd64.zip"))
     members[name] = members[name][:-1] + bytes([members[name][-1] ^ 1])
     import hashlib
     manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
-    members["manifest.json"] = json.dumps(manifest).encode()
-    forged = tmp_path / "forged.tar"
-    with tarfile.open(forged, "w") as tar:
-        for member_name, content in members.items():
-            info = tarfile.TarInfo(member_name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
+    forged = write_bundle(tmp_path / "forged.tar", members, manifest)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
                  "--trust-bundle-keys", str(forged), cwd=tmp_path)
     assert result.returncode == 2
@@ -228,10 +241,7 @@ def test_warm_a_running_proxy(tmp_path: Path, write_config: Callable[..., Path],
 @pytest.mark.parametrize("damage", ["drop a file", "bad version", "no manifest"])
 def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
                                                damage: str) -> None:
-    with tarfile.open(bundle) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
-                   if m.isfile()}
-    manifest = json.loads(members["manifest.json"])
+    members, manifest = read_bundle(bundle)
     if damage == "drop a file":
         del members[manifest["providers"][0]["sums"]]
         del manifest["files"][manifest["providers"][0]["sums"]]
@@ -240,12 +250,7 @@ def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
     members["manifest.json"] = json.dumps(manifest).encode()
     if damage == "no manifest":
         del members["manifest.json"]
-    broken = tmp_path / "broken.tar"
-    with tarfile.open(broken, "w") as tar:
-        for member_name, content in members.items():
-            info = tarfile.TarInfo(member_name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
+    broken = write_bundle(tmp_path / "broken.tar", members)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
                  "--trust-bundle-keys", str(broken), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
@@ -259,10 +264,7 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
     """Replace a package, re-sign its SHA256SUMS with another key and put that key in the
     bundle: consistent with itself, but not with the trusted keys."""
     import hashlib
-    with tarfile.open(bundle) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
-                   if m.isfile()}
-    manifest = json.loads(members["manifest.json"])
+    members, manifest = read_bundle(bundle)
     entry = next(e for e in manifest["providers"] if e["platform"] == "linux_amd64"
                  and e["type"] == "null")
     from tests.support.fake_registry import build_zip
@@ -284,13 +286,7 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
     manifest["files"] = {k: manifest["files"][k] for k in members}
     manifest["modules"] = []
     manifest["versions"] = {}
-    members["manifest.json"] = json.dumps(manifest).encode()
-    forged = tmp_path / "self-signed.tar"
-    with tarfile.open(forged, "w") as tar:
-        for member_name, content in members.items():
-            info = tarfile.TarInfo(member_name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
+    forged = write_bundle(tmp_path / "self-signed.tar", members, manifest)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
                  "--trusted-keys", str(trusted_keys), str(forged), cwd=tmp_path)
     assert result.returncode == 2
