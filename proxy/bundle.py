@@ -53,10 +53,11 @@ class BundleError(Exception):
 
 @dataclass(frozen=True)
 class Counts:
-    """How much a bundle held."""
+    """How much a bundle held (and, for exports, which requirements nothing matched)."""
 
     providers: int
     modules: int
+    unmatched: tuple[str, ...] = ()
 
 
 def _sha256(path: Path) -> str:
@@ -171,7 +172,13 @@ def export_bundle(config: Config, output: Path,
                     "archive": member})
             add(MANIFEST, data=json.dumps(manifest, indent=1).encode())
         os.replace(temp, output)
-        return Counts(len(manifest["providers"]), len(manifest["modules"]))
+        exported = {f"{e['hostname']}/{e['namespace']}/{e['type']}"
+                    for e in manifest["providers"]} | {
+            f"{e['hostname']}/{e['namespace']}/{e['name']}/{e['system']}"
+            for e in manifest["modules"]}
+        unmatched = tuple(f"{r.address} {r.constraint}".strip() for r in requirements or []
+                          if str(r.address) not in exported)
+        return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched)
     except OSError as exc:
         raise BundleError(f"cannot write {output}: {exc}") from None
     finally:
@@ -204,8 +211,9 @@ def _stage_members(bundle: Path, staging: Path,
     except (OSError, tarfile.TarError) as exc:
         raise BundleError(f"not a readable tar bundle: {exc}") from None
     with tar:
+        names = {_safe_member(m.name): m for m in tar.getmembers() if m.isfile()}
         try:
-            raw = tar.extractfile(MANIFEST)
+            raw = tar.extractfile(names[MANIFEST])  # also as "./manifest.json" (repacked)
             manifest = json.load(raw) if raw is not None else None
         except (KeyError, ValueError):
             manifest = None
@@ -217,6 +225,8 @@ def _stage_members(bundle: Path, staging: Path,
             raise BundleError(f"{MANIFEST}: files is not a table of sha256 digests")
         staged: dict[str, Path] = {}
         for member in tar.getmembers():
+            if member.isdir():
+                continue  # repacked bundles may carry directory entries
             name = _safe_member(member.name)
             if name == MANIFEST:
                 continue
@@ -282,7 +292,10 @@ def _check_provider(entry: dict[str, Any], staged: dict[str, Path],
         try:
             verify_detached(sums, signature, keys)
         except IntegrityError as exc:
-            raise BundleError(f"{entry['signature']}: {exc.message}") from None
+            which = "any of the trusted keys" if trusted_keys is not None \
+                else "the keys in the bundle"
+            raise BundleError(f"{entry['signature']}: the signature does not verify with "
+                              f"{which} ({exc.message})") from None
     if parse_sha256sums(sums).get(entry["filename"]) != entry["shasum"]:
         raise BundleError(f"{entry['sums']}: no matching line for {entry['filename']}")
     zip_path = staged[entry["zip"]]

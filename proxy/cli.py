@@ -29,6 +29,8 @@ from proxy.bundle import (
 )
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
+from proxy.errors import BadRequest
+from proxy.models import Platform
 from proxy.tls import ensure_certificate, ssl_context
 from proxy.warm import summary as warm_summary
 from proxy.warm import warm, warm_cache
@@ -125,6 +127,13 @@ def _warm(config: Config, args: argparse.Namespace) -> int:
         return _fail(str(exc))
     platforms = args.platform or [p for p in config.filters.platforms
                                   if not any(c in p for c in "*?[")] or ["linux_amd64"]
+    for platform in platforms:
+        try:
+            Platform.from_key(platform)
+        except BadRequest:
+            return _fail(f"--platform {platform!r}: expected OS_ARCH, e.g. linux_amd64")
+    if args.proxy and not args.proxy.startswith("https://"):
+        return _fail("--proxy: the proxy's https:// URL, e.g. https://127.0.0.1:8443/")
     if args.proxy:
         context = ssl.create_default_context(
             cafile=str(args.ca_file) if args.ca_file else None)
@@ -140,25 +149,50 @@ def _warm(config: Config, args: argparse.Namespace) -> int:
 def _export(config: Config, args: argparse.Namespace) -> int:
     try:
         requirements = read_sources(args.sources) if args.sources else None
+        if requirements is not None and not requirements:
+            return _fail("the SOURCE arguments name no provider or registry module")
         counts = export_bundle(config, args.output, requirements)
     except (SourceError, BundleError) as exc:
         return _fail(str(exc))
+    if counts.unmatched:
+        args.output.unlink(missing_ok=True)
+        return _fail("not in the cache (warm it first): " + ", ".join(counts.unmatched))
+    if counts.providers + counts.modules == 0:
+        args.output.unlink(missing_ok=True)
+        return _fail("the cache holds nothing to export")
     print(f"wrote {args.output}: {counts.providers} provider packages, {counts.modules} "
           f"module archives")
     return 0
 
 
+def _trusted_keys(path: Path) -> list[str]:
+    try:
+        text = path.read_bytes().decode("ascii")
+    except UnicodeDecodeError:
+        raise BundleError(f"{path} is not ASCII-armored: export keys with "
+                          "`gpg --armor --export`") from None
+    try:
+        return split_armored_keys(text)
+    except BundleError:
+        raise BundleError(f"{path} holds no armored OpenPGP public key") from None
+
+
 def _import(config: Config, args: argparse.Namespace) -> int:
     try:
         if args.bundle.is_dir():
+            if (args.bundle / "manifest.json").exists():
+                return _fail(f"{args.bundle} looks like an unpacked bundle: import the .tar "
+                             "that `export` wrote")
             counts = import_mirror_directory(config, args.bundle)
+            if counts.providers == 0:
+                return _fail(f"{args.bundle} holds no `terraform providers mirror` packages "
+                             "(HOST/NAMESPACE/TYPE/terraform-provider-*.zip)")
         elif args.trusted_keys is None and not args.trust_bundle_keys:
             return _fail("import of a bundle needs --trusted-keys KEYS.asc (signatures must "
                          "verify with keys from outside the bundle) or, if the bundle came "
                          "over a trusted path, --trust-bundle-keys")
         else:
-            keys = None if args.trust_bundle_keys else split_armored_keys(
-                args.trusted_keys.read_text())
+            keys = None if args.trust_bundle_keys else _trusted_keys(args.trusted_keys)
             counts = import_bundle(config, args.bundle, keys)
     except OSError as exc:
         return _fail(f"cannot read {exc.filename}: {exc.strerror}")

@@ -154,11 +154,17 @@ def _from_list(path: Path) -> list[Requirement]:
         where = f"{path}:{number}"
         parts = address.split("/")
         is_module = len(parts) == 4 or (len(parts) == 3 and "." not in parts[0])
-        if is_module:
-            module = _module(address, where)
-            if module is None:
-                raise SourceError(f"{where}: {address!r} is not a registry module address")
-            found.append(Requirement(module, constraint.strip()))
-        else:
-            found.append(Requirement(_provider(address, where), constraint.strip()))
+        try:
+            if is_module:
+                module = _module(address, where)
+                if module is None:
+                    raise SourceError(f"{where}: {address!r} is not a registry module "
+                                      "address")
+                found.append(Requirement(module, constraint.strip()))
+            else:
+                found.append(Requirement(_provider(address, where), constraint.strip()))
+        except SourceError as exc:
+            message = str(exc)
+            raise SourceError(message if message.startswith(where) else
+                              f"{where}: {message}") from None
     return found

@@ -292,3 +292,55 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
     assert result.returncode == 2
     assert "does not verify" in result.stderr
     assert not list((tmp_path / "inside").rglob("*.zip"))
+
+
+def test_user_mistakes_get_clear_answers(tmp_path: Path, bundle: Path, trusted_keys: Path,
+                                         write_config: Callable[..., Path],
+                                         signer: GpgKey) -> None:
+    connected = str(write_config(cache_dir=tmp_path / "connected"))
+    inside = str(offline_config(tmp_path, "inside"))
+    wanted = tmp_path / "aws.txt"
+    wanted.write_text("hashicorp/aws ~> 5.0\n")
+    cases = {
+        "not cached": (["export", "--config", connected, "--output",
+                        str(tmp_path / "aws.tar"), str(wanted)],
+                       "not in the cache (warm it first): registry.terraform.io/hashicorp/aws"),
+        "bad platform": (["warm", "--config", connected, "--platform", "linux-amd64",
+                          str(wanted)], "expected OS_ARCH"),
+        "bad constraint": (["warm", "--config", connected, str(_write(tmp_path / "c.txt",
+                           "hashicorp/null banana\n"))], "c.txt:1: "),
+        "binary keys": (["import", "--config", inside, "--trusted-keys",
+                         str(_write(tmp_path / "k.gpg", b"\x99\x01\x0d")), str(bundle)],
+                        "not ASCII-armored"),
+        "unpacked bundle": (["import", "--config", inside, str(_unpack(bundle, tmp_path))],
+                            "looks like an unpacked bundle"),
+    }
+    for name, (args, message) in cases.items():
+        result = cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        assert message in result.stderr, (name, result.stderr)
+        assert "Traceback" not in result.stderr, name
+    assert not (tmp_path / "aws.tar").exists()
+
+    # A bundle unpacked and packed again with tar (./ names, directory entries) still imports.
+    repacked = tmp_path / "repacked.tar"
+    subprocess.run(["tar", "cf", str(repacked), "-C", str(_unpack(bundle, tmp_path / "r")),
+                    "."], check=True)
+    result = cli("import", "--config", inside, "--trusted-keys", str(trusted_keys),
+                 str(repacked), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def _write(path: Path, content: str | bytes) -> Path:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+def _unpack(bundle: Path, where: Path) -> Path:
+    target = where / "unpacked"
+    target.mkdir(parents=True)
+    subprocess.run(["tar", "xf", str(bundle), "-C", str(target)], check=True)
+    return target
