@@ -111,8 +111,10 @@ class ProviderMirror:
                               exc_info=result)
                 failure = result if isinstance(result, ProxyError) else \
                     UpstreamError("internal error")
-                log.warning("%s %s %s left out: %s", provider, version, platform.key,
-                            failure.message)
+                # Offline, a platform the cache lacks is the normal case, not news.
+                log.log(logging.DEBUG if isinstance(failure, Offline) else logging.WARNING,
+                        "%s %s %s left out: %s", provider, version, platform.key,
+                        failure.message)
                 failures.append(failure)
                 continue
             package = await self.packages.with_h1(provider, version, platform, result)

@@ -44,11 +44,15 @@ class ProviderRegistryService:
             if not entries:
                 raise Offline(f"no version of {provider} is in the cache, and the proxy is "
                               "offline")
-        return {"versions": [
-            {"version": e.version, "protocols": list(e.protocols),
-             "platforms": [{"os": p.os, "arch": p.arch} for p in e.platforms
-                           if self._filters.platform_allowed(p)]}
-            for e in entries]}
+        listed = []
+        for entry in entries:
+            platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
+            if self._config.offline:  # only what the cache holds
+                platforms = [p for p in platforms if await self._archives.lookup(
+                    self._packages.archive_parts(provider, entry.version, p)) is not None]
+            listed.append({"version": entry.version, "protocols": list(entry.protocols),
+                           "platforms": [{"os": p.os, "arch": p.arch} for p in platforms]})
+        return {"versions": listed}
 
     async def download_document(self, provider: ProviderAddress, version: str,
                                 platform: Platform) -> tuple[dict[str, Any], str]:

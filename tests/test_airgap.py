@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import ssl
 import subprocess
 import sys
 import tarfile
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,13 @@ def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, trusted_ke
         assert result.retcode == 0, result.output
         assert "Installed hashicorp/null v3.2.1" in result.stdout
         assert (workdir / ".terraform/modules/net/shared/main.tf").exists()
+        # The registry protocol, offline, lists only the platforms the cache holds.
+        context = ssl.create_default_context(cafile=str(proxy.ca_file))
+        url = f"{proxy.url}providers/registry.terraform.io/hashicorp/null/versions"
+        with urllib.request.urlopen(url, context=context) as response:
+            listed = json.load(response)["versions"]
+        assert listed == [{"version": "3.2.1", "protocols": ["5.0"], "platforms": [
+            {"os": "linux", "arch": "amd64"}, {"os": "darwin", "arch": "arm64"}]}]
     assert registry.requests == []
 
 
