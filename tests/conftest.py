@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import trustme
+from aiohttp.test_utils import TestClient
 
+from proxy.app import create_app
 from proxy.config import Config, load_config
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.git_repos import publish_repo
@@ -157,3 +159,26 @@ ca_bundle = "{upstream_ca_file}"
 @pytest.fixture
 def proxy_config(write_config: Callable[..., Path]) -> Config:
     return load_config(write_config(), environ={})
+
+
+AppClient = Callable[..., Awaitable[TestClient]]  # type: ignore[type-arg]
+
+
+@pytest.fixture
+def make(aiohttp_client, write_config: Callable[..., Path]) -> AppClient:  # type: ignore[no-untyped-def]
+    """A test client for the app built from the fake-upstream config, with extra config
+    lines and TF_REGISTRY_PROXY_* overrides given as keyword arguments (table_key=value)."""
+
+    async def build(extra: str = "", upstream_extra: str = "", **env: str) -> TestClient:  # type: ignore[type-arg]
+        environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
+        config = load_config(write_config(extra=extra, upstream_extra=upstream_extra),
+                             environ=environ)
+        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
+
+    return build
+
+
+@pytest.fixture
+async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def, type-arg]
+    """A test client for the app with the default fake-upstream config."""
+    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]

@@ -10,22 +10,12 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient
 
-from proxy.app import create_app
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric
 
 Make = Callable[..., Awaitable[TestClient]]
 MODULE = "/modules/registry.terraform.io/acme/tarball/aws"
-
-
-@pytest.fixture
-def make(aiohttp_client, write_config: Callable[..., Path]) -> Make:  # type: ignore[no-untyped-def]
-    async def build(extra: str = "", **env: str) -> TestClient:
-        environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
-        config = load_config(write_config(extra=extra), environ=environ)
-        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
-    return build
 
 
 def zip_name(platform: str, version: str = "3.2.1") -> str:

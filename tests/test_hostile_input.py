@@ -8,13 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-import pytest
 from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
-from proxy.app import create_app
 from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
 
@@ -49,9 +47,6 @@ def battery() -> Iterator[str]:
     yield "/mirror/registry.terraform.io/hashicorp/null/terraform-provider-null_3.2.1_../..zip"
 
 
-@pytest.fixture
-async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
-    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
 
 
 def raw_url(client: TestClient, path: str) -> URL:

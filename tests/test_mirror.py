@@ -29,11 +29,6 @@ def make_client(aiohttp_client) -> MakeClient:  # type: ignore[no-untyped-def]
     return make
 
 
-@pytest.fixture
-async def client(make_client: MakeClient, proxy_config: Config) -> TestClient:
-    return await make_client(proxy_config)
-
-
 def zip_h1(data: bytes) -> str:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         return h1_from_entries((i.filename, archive.read(i)) for i in archive.infolist())

@@ -19,9 +19,6 @@ HOST = "registry.terraform.io"
 NET = f"/modules/{HOST}/acme/net/aws"
 
 
-@pytest.fixture
-async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
-    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
 
 
 def tar_members(data: bytes) -> dict[str, bytes | None]:

@@ -17,15 +17,9 @@ from proxy.access_log import (
     PlainAccessLogger,
     mask_secrets,
 )
-from proxy.app import create_app
 from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric
-
-
-@pytest.fixture
-async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
-    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
 
 
 async def test_readyz(client: TestClient) -> None:

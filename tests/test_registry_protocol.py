@@ -13,15 +13,12 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
-from proxy.config import Config, load_config
+from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry
 
 REG = "/providers/registry.terraform.io/hashicorp/null"
 
 
-@pytest.fixture
-async def client(aiohttp_client, proxy_config: Config) -> TestClient:  # type: ignore[no-untyped-def]
-    return await aiohttp_client(create_app(proxy_config))  # type: ignore[no-any-return]
 
 
 def upstream_document(registry: FakeRegistry, path: str) -> dict[str, object]:

@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
 import proxy.freshness
-from proxy.app import create_app
-from proxy.config import Config, load_config
+from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric
 
 Make = Callable[..., Awaitable[TestClient]]
-
-
-@pytest.fixture
-def make(aiohttp_client, write_config: Callable[..., Path]) -> Make:  # type: ignore[no-untyped-def]
-    """A client for an app with extra config lines and environment overrides."""
-
-    async def build(extra: str = "", upstream_extra: str = "", **env: str) -> TestClient:
-        environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
-        config = load_config(write_config(extra=extra, upstream_extra=upstream_extra),
-                             environ=environ)
-        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
-
-    return build
 
 
 async def error_of(response: aiohttp.ClientResponse) -> str:
