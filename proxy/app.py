@@ -68,7 +68,7 @@ def create_app(config: Config) -> web.Application:
         http = UpstreamHTTP(session, config.upstream, metrics, egress)
         discovery = Discovery(http, config.upstream)
         filters = Filters(config.filters)
-        packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache, archives,
+        packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
                                     config.upstream, metrics, filters)
         mirror = ProviderMirror(packages, archives, config.upstream, metrics)
         app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)

@@ -26,7 +26,6 @@ import aiofiles
 import aiofiles.os
 
 from proxy.errors import IntegrityError, UpstreamError
-from proxy.hashes import h1_of_zip
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +291,22 @@ class ArchiveStore:
                     self._on_evict(1, size)
             return removed
 
+    async def discard(self, path: Path, identity: tuple[int, int] | None) -> bool:
+        """Delete a stored file found damaged, unless another file replaced it since it was
+        read (identity: the (st_dev, st_ino) read; None: whatever is there). Returns whether
+        a file went."""
+        try:
+            info = await aiofiles.os.stat(path)
+            if identity is not None and (info.st_dev, info.st_ino) != identity:
+                return False
+            await aiofiles.os.unlink(path)
+        except FileNotFoundError:
+            return False
+        self.used_bytes -= info.st_size
+        self.file_count -= 1
+        self._touched.pop(path, None)
+        return True
+
     async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
                     expected_sha256: str, progress: GrowingFile | None = None
                     ) -> StoredArchive:
@@ -329,15 +344,6 @@ class ArchiveStore:
         if progress is not None:
             progress.complete(final)
         return StoredArchive(final, size, actual)
-
-
-async def h1_of_stored(path: Path) -> str | None:
-    """The h1 of a published package (a full read: done after publishing, off the loop)."""
-    try:
-        return await asyncio.to_thread(h1_of_zip, path)
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        log.warning("cannot compute h1 of %s: %s", path, exc)
-        return None
 
 
 _LOCK_NAME = ".owner.lock"

@@ -7,6 +7,7 @@ import hashlib
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 _CHUNK = 1 << 20
 
@@ -36,11 +37,19 @@ def _h1_from_digests(digests: Iterable[tuple[str, str]]) -> str:
     return "h1:" + base64.b64encode(summary.digest()).decode("ascii")
 
 
-def h1_of_zip(path: Path) -> str:
-    """The `h1:` hash of a provider zip: every entry counts, directory entries too (Terraform
-    hashes the zip's entry list, not the unpacked tree)."""
-    with zipfile.ZipFile(path) as archive:
+def h1_of_zip(source: Path | BinaryIO) -> str:
+    """The `h1:` hash of a provider zip (a path or an open file): every entry counts,
+    directory entries too (Terraform hashes the zip's entry list, not the unpacked tree)."""
+    with zipfile.ZipFile(source) as archive:
         return _h1_from_digests(_zip_entry_digests(archive))
+
+
+def sha256_of_file(handle: BinaryIO) -> str:
+    """The hex sha256 of everything from the file's current position to its end."""
+    digest = hashlib.sha256()
+    while chunk := handle.read(_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _zip_entry_digests(archive: zipfile.ZipFile) -> Iterable[tuple[str, str]]:

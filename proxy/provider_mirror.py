@@ -14,12 +14,13 @@ from typing import Any
 
 import aiofiles.os
 
-from proxy.archives import ArchiveStore, FillLock, GrowingFile, h1_of_stored
+from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
+from proxy.stored_hashes import DamagedFile, h1_of_stored
 from proxy.verified_packages import VerifiedPackage, VerifiedPackages
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class ProviderMirror:
                 raise Offline(f"{provider} {version} {platform.key} is not in the cache, and "
                               "the proxy is offline")
             async with limit:
-                return await self.packages.package(provider, version, platform)
+                package = await self.packages.package(provider, version, platform)
+            return await self._with_h1(provider, version, platform, package)
 
         results = await asyncio.gather(*(one(p) for p in platforms), return_exceptions=True)
         archives: dict[str, Any] = {}
@@ -117,10 +119,9 @@ class ProviderMirror:
                         failure.message)
                 failures.append(failure)
                 continue
-            package = await self.packages.with_h1(provider, version, platform, result)
-            hashes = [zh_hash(package.shasum)]
-            if package.h1:
-                hashes.insert(0, package.h1)
+            hashes = [zh_hash(result.shasum)]
+            if result.h1:
+                hashes.insert(0, result.h1)
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
         if len(archives) == len(platforms) and not self._config.offline \
@@ -189,10 +190,60 @@ class ProviderMirror:
 
     # --- archives ------------------------------------------------------------------------
 
+    def _fill_lock(self, provider: ProviderAddress, version: str,
+                   platform: Platform) -> FillLock:
+        # One fill (or drop) per package across the processes sharing the cache.
+        return FillLock(self._archives.lock_path(f"{provider}/{version}/{platform.key}"))
+
+    async def _with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
+                       package: VerifiedPackage) -> VerifiedPackage:
+        """The facts with the h1 filled in from the stored zip if it is missing (lost when a
+        crash hit between publishing the file and recording its hash). A stored zip that is
+        not the signed package is dropped instead: no h1, fetched again when next asked for."""
+        if package.h1 is not None:
+            return package
+        path = await self._archives.lookup(self.packages.archive_parts(provider, version,
+                                                                       platform))
+        if path is None:
+            return package
+        try:
+            h1 = await h1_of_stored(path, package.shasum)
+        except DamagedFile as damage:
+            async with self._fill_lock(provider, version, platform):
+                await self._drop_damaged(provider, version, platform, path, damage)
+            if self._config.offline:
+                raise Offline(f"the stored package {provider} {version} {platform.key} was "
+                              "damaged, and the proxy is offline") from None
+            return replace(package, size=None)
+        if h1 is None:
+            return package
+        # Re-read: a fill may have recorded the size meanwhile (the same bytes: same h1).
+        current = await self.packages.stored_facts(provider, version, platform)
+        if current is not None and current.shasum == package.shasum:
+            package = current
+        package = replace(package, h1=h1)
+        await self.packages.save(provider, version, platform, package)
+        return package
+
+    async def _drop_damaged(self, provider: ProviderAddress, version: str, platform: Platform,
+                            path: Path, damage: DamagedFile) -> None:
+        """Count and log a damaged stored zip, then delete it and the facts recorded about the
+        file (size, h1; the signed facts stay). Runs under the package's fill lock."""
+        self._verified_sizes.pop(path, None)
+        dropped = await self._archives.discard(path, damage.identity)
+        self.packages.integrity(damage.kind, f"{provider} {version} {platform.key}: the stored "
+                                f"file {damage.message}; " + ("dropped, to be fetched again"
+                                                              if dropped else "already gone"))
+        if not dropped:
+            return  # gone, or replaced by a fill since it was read: its facts are not ours
+        record = await self.packages.stored_facts(provider, version, platform)
+        if record is not None:
+            await self.packages.save(provider, version, platform,
+                                     replace(record, h1=None, size=None))
+
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
                             ready: asyncio.Future[Path | GrowingFile]) -> None:
-        lock = FillLock(self._archives.lock_path(f"{provider}/{version}/{platform.key}"))
-        async with lock:  # one fill per package across the processes sharing the cache
+        async with self._fill_lock(provider, version, platform):
             published = await self._stored(provider, version, platform)  # one just finished
             if published is not None:
                 ready.set_result(published)
@@ -235,7 +286,11 @@ class ProviderMirror:
         self._verified_sizes[stored.path] = stored.size
         package = replace(package, size=stored.size)
         await self.packages.save(provider, version, platform, package)
-        h1 = await h1_of_stored(stored.path)
+        try:
+            h1 = await h1_of_stored(stored.path, package.shasum)
+        except DamagedFile as damage:  # changed on disk since it was checked
+            await self._drop_damaged(provider, version, platform, stored.path, damage)
+            return
         if h1 is not None:
             await self.packages.save(provider, version, platform, replace(package, h1=h1))
 

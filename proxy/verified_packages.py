@@ -7,16 +7,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
-from proxy.hashes import h1_of_zip
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress
 from proxy.registry_documents import DownloadInfo, VersionEntry, parse_sha256sums
@@ -48,12 +46,11 @@ class VerifiedPackages:
     """Version lists and verified package facts, fetched on a miss and cached."""
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
-                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics,
+                 config: UpstreamConfig, metrics: Metrics,
                  filters: Filters | None = None) -> None:
         self.registry = registry
         self.filters = filters or Filters()
         self._cache = cache
-        self._archives = archives
         self._config = config
         self._metrics = metrics
         self._versions = RefreshingDocuments[list[VersionEntry]](
@@ -140,19 +137,6 @@ class VerifiedPackages:
         package = VerifiedPackage(filename=info.filename, shasum=info.shasum,
                                   sums_id=sums_id(info.shasums_url), document=info.document)
         await self._cache.set(key, asdict(package))
-        return package
-
-    async def with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
-                      package: VerifiedPackage) -> VerifiedPackage:
-        """Fill in a missing h1 from the stored zip (lost if a crash hit between publishing
-        the file and recording its hash)."""
-        if package.h1 is not None:
-            return package
-        path = await self._archives.lookup(self.archive_parts(provider, version, platform))
-        if path is None:
-            return package
-        package = replace(package, h1=await asyncio.to_thread(h1_of_zip, path))
-        await self.save(provider, version, platform, package)
         return package
 
     async def stored_sums(self, provider: ProviderAddress, version: str,

@@ -13,6 +13,8 @@ import pytest
 
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.errors import IntegrityError
+from proxy.hashes import h1_of_zip
+from proxy.stored_hashes import DamagedFile, h1_of_stored
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
@@ -149,3 +151,47 @@ async def test_fill_lock_serializes_fills_across_holders(tmp_path: Path) -> None
     await asyncio.sleep(0.05)
     await asyncio.gather(fill("second", 0), first)
     assert order == ["first in", "first out", "second in", "second out"]
+
+
+async def test_h1_of_stored_hashes_only_the_signed_bytes(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    signed = hashlib.sha256(ZIP).hexdigest()
+    stored = await store.store(PARTS, chunks(ZIP), signed)
+    assert await h1_of_stored(stored.path, signed) == h1_of_zip(stored.path)
+
+    # Still a zip, same size, other bytes: refused, naming the file that was read.
+    stored.path.write_bytes(ZIP.replace(b"provider-x", b"provider-y"))
+    with pytest.raises(DamagedFile) as damage:
+        await h1_of_stored(stored.path, signed)
+    assert damage.value.kind == "stored" and signed in damage.value.message
+    info = stored.path.stat()
+    assert damage.value.identity == (info.st_dev, info.st_ino)
+
+    stored.path.unlink()  # evicted meanwhile: nothing to hash, nothing to drop
+    assert await h1_of_stored(stored.path, signed) is None
+
+
+async def test_signed_zip_that_cannot_be_hashed_is_kept_without_h1(tmp_path: Path) -> None:
+    # Upstream signed these very bytes: fetching them again would not help.
+    middle = len(ZIP) // 2
+    broken = ZIP[:middle] + bytes([ZIP[middle] ^ 0xFF]) + ZIP[middle + 1:]
+    path = tmp_path / "signed.zip"
+    path.write_bytes(broken)
+    assert await h1_of_stored(path, hashlib.sha256(broken).hexdigest()) is None
+    assert path.read_bytes() == broken
+
+
+async def test_discard_spares_a_file_that_replaced_the_damaged_one(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    first = await store.store(PARTS, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
+    info = first.path.stat()
+    read = (info.st_dev, info.st_ino)
+    fresh = store.temp_file()
+    fresh.write_bytes(ZIP)
+    await store.publish(fresh, PARTS)  # a fill replaced it after it was read
+    assert not await store.discard(first.path, read)
+    assert first.path.exists() and store.used_bytes == len(ZIP)
+    now = first.path.stat()
+    assert await store.discard(first.path, (now.st_dev, now.st_ino))
+    assert not first.path.exists()
+    assert (store.used_bytes, store.file_count) == (0, 0)

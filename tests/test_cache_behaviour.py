@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import random
 import shutil
+import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+from proxy.archives import ArchiveStore
+from proxy.cache import MetadataCache
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE, ZIP, metric
+from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
 Make = Callable[..., Awaitable[TestClient]]
 MODULE = "/modules/registry.terraform.io/acme/tarball/aws"
@@ -95,3 +101,184 @@ async def test_file_without_a_matching_record_is_fetched_again(
     assert await response.read() == release.zips["linux_amd64"]
     assert len(registry.archive_requests()) == 1
     assert stored.read_bytes() == release.zips["linux_amd64"]
+
+
+
+PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
+LINUX_KEY = "package/registry.terraform.io/hashicorp/null/3.2.1/linux_amd64"
+
+
+def renamed_member(data: bytes) -> bytes:
+    """The zip damaged so that it is still a valid zip of the same size, with another h1:
+    its binary's name changed in both the local and the central header."""
+    name = b"terraform-provider-null_v3.2.1"
+    assert data.count(name) == 2
+    return data.replace(name, b"terraform-provider-nulX_v3.2.1")
+
+
+async def package_record(cache: Path, key: str = LINUX_KEY) -> dict[str, Any]:
+    """The verified facts recorded for a package, read straight from the index."""
+    index = MetadataCache(cache / "index")
+    try:
+        record = await index.get(key)
+    finally:
+        index.close()
+    assert record is not None
+    return record
+
+
+async def forget_h1(cache: Path, key: str = LINUX_KEY) -> None:
+    """What a crash between publishing a zip and recording its h1 leaves behind."""
+    record = await package_record(cache, key)
+    index = MetadataCache(cache / "index")
+    try:
+        await index.set(key, {**record, "h1": None})
+    finally:
+        index.close()
+
+
+async def fill_every_platform(make: Make, registry: FakeRegistry, cache: Path) -> None:
+    """Fetch every platform of null 3.2.1 through a proxy (closed after), h1s recorded."""
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    client = await make()
+    for platform in PLATFORMS:
+        response = await client.get(f"{BASE}/{zip_name(platform)}")
+        assert await response.read() == release.zips[platform]
+    for platform in PLATFORMS:
+        key = LINUX_KEY.replace("linux_amd64", platform)
+        assert (await package_record(cache, key))["h1"] == zip_h1(release.zips[platform])
+    await client.close()
+
+
+def expected_hashes(registry: FakeRegistry, platform: str) -> list[str]:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    return [zip_h1(release.zips[platform]), f"zh:{release.sha256(platform)}"]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    for _ in range(1000):
+        if await check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("damage", ["same size, still a zip", "truncated", "garbage",
+                                    "read error"])
+async def test_damaged_stored_zip_is_dropped_and_never_poisons_the_version_document(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    good = release.zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    await forget_h1(cache)
+    expected = {platform: expected_hashes(registry, platform) for platform in PLATFORMS}
+    right_h1 = zip_h1(good)
+    stored = next(cache.rglob(ZIP))
+    if damage == "same size, still a zip":
+        stored.write_bytes(renamed_member(good))
+    elif damage == "truncated":
+        stored.write_bytes(good[:len(good) // 2])
+    elif damage == "garbage":
+        stored.write_bytes(random.Random(7).randbytes(len(good)))
+    else:
+        def unreadable(*_args: object) -> bytes:
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(zipfile.ZipExtFile, "read", unreadable)
+
+    registry.requests.clear()
+    client = await make()
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 200, await response.text()
+    archives = (await response.json())["archives"]
+    # The other platforms keep both hashes; the damaged one is listed like any platform whose
+    # zip the proxy does not hold: with the signed zh: only.
+    for platform in ("darwin_arm64", "windows_amd64"):
+        assert archives[platform]["hashes"] == expected[platform]
+    assert archives["linux_amd64"]["hashes"] == expected["linux_amd64"][1:]
+    record = await package_record(cache)
+    assert (record["h1"], record["size"]) == (None, None)  # no wrong h1, nothing vouched for
+    assert record["shasum"] == release.sha256("linux_amd64")  # the signed facts stay
+    assert not stored.exists()
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
+    assert registry.archive_requests() == []
+
+    monkeypatch.undo()  # the disk reads again
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert await response.read() == good
+    assert len(registry.archive_requests()) == 1  # fetched again
+    assert stored.read_bytes() == good
+    await eventually(lambda: _recorded_h1_is(cache, right_h1), "the right h1")
+    document = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert document["archives"]["linux_amd64"]["hashes"] == expected["linux_amd64"]
+
+
+async def _recorded_h1_is(cache: Path, h1: str) -> bool:
+    return (await package_record(cache))["h1"] == h1
+
+
+async def test_damaged_stored_zip_is_left_out_offline(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path]) -> None:
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    await forget_h1(cache)
+    stored = next(cache.rglob(ZIP))
+    stored.write_bytes(renamed_member(stored.read_bytes()))
+
+    registry.requests.clear()
+    offline = await make(upstream_mode="offline")
+    response = await offline.get(f"{BASE}/3.2.1.json")
+    assert response.status == 200, await response.text()
+    archives = (await response.json())["archives"]
+    # Nothing to fetch it again from: not offered, the others are.
+    assert sorted(archives) == ["darwin_arm64", "windows_amd64"]
+    for platform in archives:
+        assert archives[platform]["hashes"] == expected_hashes(registry, platform)
+    assert (await package_record(cache))["h1"] is None
+    assert not stored.exists()
+    assert (await offline.get(f"{BASE}/{ZIP}")).status == 404
+    assert registry.requests == []
+
+
+async def test_zip_damaged_on_disk_right_after_publishing_gets_no_h1_and_is_fetched_again(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    publish = ArchiveStore.publish
+
+    async def publish_then_damage(store: ArchiveStore, temp: Path,
+                                  parts: list[str]) -> Path:
+        final = await publish(store, temp, parts)
+        # Replaced, not rewritten: the client following the download keeps its good bytes.
+        damaged = final.with_suffix(".damaged")
+        damaged.write_bytes(renamed_member(final.read_bytes()))
+        damaged.replace(final)
+        return final
+
+    monkeypatch.setattr(ArchiveStore, "publish", publish_then_damage)
+    client = await make()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    stored = cache.joinpath("archives", "registry.terraform.io", "hashicorp", "null", "3.2.1",
+                            ZIP)
+
+    async def settled() -> bool:  # the fill's h1 pass is over, one way or the other
+        record = await package_record(cache)
+        return record["h1"] is not None or (record["size"] is None and not stored.exists())
+
+    await eventually(settled, "the fill to finish")
+    record = await package_record(cache)
+    assert (record["h1"], record["size"]) == (None, None)  # the wrong h1 was not recorded
+    assert not stored.exists()
+    document = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert document["archives"]["linux_amd64"]["hashes"] == [
+        f"zh:{registry.releases[('hashicorp', 'null', '3.2.1')].sha256('linux_amd64')}"]
+
+    monkeypatch.undo()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    assert len(registry.archive_requests()) == 2
+    await eventually(lambda: _recorded_h1_is(cache, zip_h1(good)), "the right h1")
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
