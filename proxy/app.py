@@ -29,6 +29,7 @@ from proxy.provider_mirror import ProviderMirror
 from proxy.provider_registry_service import ProviderRegistryService
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
+from proxy.upstream.egress_gate import EgressGate
 from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
@@ -73,8 +74,9 @@ def create_app(config: Config) -> web.Application:
         mirror = ProviderMirror(packages, archives, config.upstream, metrics)
         app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)
         git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
+        git_gate = EgressGate(egress, config.upstream.connect_timeout)
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
-                                 config, metrics, git_ca)
+                                 config, metrics, git_ca, git_gate)
         if config.auth.enabled:
             key = await asyncio.to_thread(load_signing_key, cache_dir / "tls" / "url-signing.key")
             app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
@@ -85,6 +87,7 @@ def create_app(config: Config) -> web.Application:
             yield
         finally:
             await modules.close()
+            await git_gate.close()
             await mirror.close()
             archives.close()
             await close_session(session)

@@ -170,6 +170,7 @@ class _Parser:
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
+                                           "internal_zones",
                                            *ENV_KEYS["upstream"]))
         networks = []
         raw_networks = table.get("allowed_networks", [])
@@ -220,7 +221,23 @@ class _Parser:
             connect_timeout=seconds("connect_timeout"),
             metadata_timeout=seconds("metadata_timeout"),
             download_timeout=seconds("download_timeout"), max_archive_size=max_size,
-            mode=mode, max_concurrent_fills=max_fills, allowed_networks=tuple(networks))
+            mode=mode, max_concurrent_fills=max_fills, allowed_networks=tuple(networks),
+            internal_zones=self._zones(table.get("internal_zones", [])))
+
+    def _zones(self, raw: object) -> tuple[str, ...]:
+        if not isinstance(raw, list) or not all(isinstance(z, str) for z in raw):
+            self.problems.append("upstream.internal_zones: expected a list of DNS zones such "
+                                 "as [\"corp.example.com\"]")
+            return ()
+        zones = []
+        for zone in raw:
+            name = self._hostname("upstream.internal_zones", zone.strip().strip("."))
+            if name is not None and ":" in name:
+                self.problems.append(f"upstream.internal_zones: {zone!r} is a zone, it takes "
+                                     "no port")
+            elif name is not None:
+                zones.append(name)
+        return tuple(zones)
 
     def _hosts(self, raw: object) -> dict[str, UpstreamHostConfig]:
         if not isinstance(raw, dict):

@@ -25,6 +25,7 @@ from proxy.module_packing import pack, select_subdir, unpack
 from proxy.module_sources import ModuleSource, UnsupportedSource, parse_source
 from proxy.singleflight import SingleFlight
 from proxy.upstream import git
+from proxy.upstream.egress_gate import EgressGate
 from proxy.upstream.http import UpstreamHTTP
 from proxy.upstream.module_registry import ModuleRegistryClient
 
@@ -36,7 +37,7 @@ class ModuleRegistry:
 
     def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataCache,
                  archives: ArchiveStore, config: Config, metrics: Metrics,
-                 git_ca_file: Path | None) -> None:
+                 git_ca_file: Path | None, git_gate: EgressGate) -> None:
         self._client = client
         self._http = http
         self._cache = cache
@@ -44,6 +45,7 @@ class ModuleRegistry:
         self._config = config
         self._metrics = metrics
         self._git_ca_file = git_ca_file
+        self._git_gate = git_gate
         self._filters = Filters(config.filters)
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
@@ -142,10 +144,9 @@ class ModuleRegistry:
         tree = work / "tree"
         limit = self._config.modules.max_archive_size
         if source.kind == "git":
-            await self._http.egress.check_host(source.url)  # git resolves names itself
             await git.clone(source.url, source.ref, tree,
                             time_limit=self._config.modules.git_timeout,
-                            ca_file=self._git_ca_file)
+                            ca_file=self._git_ca_file, gate=self._git_gate)
             return tree
         if source.archive is None:
             raise UnsupportedSource(f"module location {source.url[:200]} is not an archive "

@@ -111,6 +111,9 @@ class UpstreamConfig:
     max_concurrent_fills: int = 8
     # Non-public networks that hosts named by upstream answers may resolve to.
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    # DNS zones of the operator's own networks (besides localhost, local, internal, home.arpa,
+    # localdomain): hosts in them are reached only at addresses in allowed_networks.
+    internal_zones: tuple[str, ...] = ()
     # Credentials from TF_TOKEN_* variables (they win over tokens in [upstream.hosts]).
     tokens: Mapping[str, Secret] = field(default_factory=dict)
 

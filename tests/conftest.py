@@ -92,6 +92,22 @@ def publish_modules(server: FakeRegistry, work: Path) -> None:
                       f"git::{server.url}/git/net.git?ref=v1.2.0")
     server.add_module("acme", "net", "aws", "1.1.0",
                       f"git::{server.url}/git/net.git?ref=no-such-tag")
+    # Every hop git takes must pass the egress policy: a redirect to loopback, a submodule
+    # on loopback, a relative submodule (resolved against the superproject, so allowed),
+    # and a source on a public-looking name that tests route to this server.
+    server.add_module("acme", "moved", "aws", "1.2.0",
+                      f"git::{server.url}/to-localhost/git/net.git?ref=v1.2.0")
+    publish_repo(server.git_root, "sneaky", work / "sneaky", {"main.tf": MODULE_MAIN},
+                 tag="v1.0.0", submodules={
+                     "shared": (f"https://localhost:{server.port}/git/shared.git", shared)})
+    server.add_module("acme", "sneaky", "aws", "1.0.0",
+                      f"git::{server.url}/git/sneaky.git?ref=v1.0.0")
+    publish_repo(server.git_root, "relative", work / "relative", {"main.tf": MODULE_MAIN},
+                 tag="v1.0.0", submodules={"shared": ("../shared.git", shared)})
+    server.add_module("acme", "relative", "aws", "1.0.0",
+                      f"git::{server.url}/git/relative.git?ref=v1.0.0")
+    server.add_module("acme", "public", "aws", "1.2.0",
+                      f"git::https://git.example.com:{server.port}/git/net.git?ref=v1.2.0")
 
     tarball = server.add_module_archive("tarball-1.0.0.tgz", tar_gz({
         "acme-tarball-abc123/README.md": b"top\n",
@@ -99,6 +115,9 @@ def publish_modules(server: FakeRegistry, work: Path) -> None:
     }))
     server.add_module("acme", "tarball", "aws", "1.0.0",
                       f"{tarball}//*/modules/inner?archive=tar.gz", style="json")
+    server.add_module("acme", "movedtarball", "aws", "1.0.0",
+                      f"{server.url}/to-localhost/archives/tarball-1.0.0.tgz"
+                      "//*/modules/inner?archive=tar.gz")
     zipped = build_zip({"main.tf": (MODULE_MAIN, 0o644), "files/": (b"", 0o755)})
     server.add_module_archive("zip-2.0.0.zip", zipped)
     server.add_module("Acme-Corp", "Zip_Mod", "aws", "2.0.0",

@@ -127,7 +127,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "ca_bundle", "allowed_hosts", "discovery_ttl", "versions_ttl",
                 "connect_timeout", "metadata_timeout", "download_timeout",
                 "max_archive_size", "services", "default_host", "git_timeout", "max_size",
-                "mode", "max_concurrent_fills", "allowed_networks", "access_log", "token",
+                "mode", "max_concurrent_fills", "allowed_networks", "internal_zones",
+                "access_log", "token",
                 "providers", "exclude_providers", "modules", "exclude_modules", "platforms",
                 "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop"):
         assert f"{key} =" in text, key

@@ -1,7 +1,9 @@
 """Real `git clone` of a module source over https, submodules included.
 
 Only the https transport is allowed (for submodules too), user and system git configuration
-are ignored, prompts are off, and the whole operation has a deadline.
+are ignored, prompts are off, and the whole operation has a deadline. git connects only
+through the egress gate, which checks every host it goes to: the source, each redirect and
+each submodule (see proxy.upstream.egress_gate).
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ import ssl
 from pathlib import Path
 
 from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.upstream.egress_gate import EgressGate
 
-_PASSED_ENV = ("PATH", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY",
-               "all_proxy")
+# Not the proxy variables: git's only way out is the gate, which honors them itself.
+_PASSED_ENV = ("PATH",)
 _MAX_ERROR = 600
 
 
-def git_environment(home: Path, ca_file: Path | None) -> dict[str, str]:
-    """A closed environment for git: nothing from the user's or the system's config."""
+def git_environment(home: Path, ca_file: Path | None, gate_url: str) -> dict[str, str]:
+    """A closed environment for git: nothing from the user's or the system's config (no
+    `url.*.insteadOf` rewriting hosts), every connection through the gate at gate_url."""
     env = {key: os.environ[key] for key in _PASSED_ENV if key in os.environ}
     settings = [("protocol.allow", "never"), ("protocol.https.allow", "always"),
                 ("credential.helper", ""), ("core.askPass", ""), ("advice.detachedHead",
-                                                                   "false")]
+                                                                   "false"),
+                ("http.proxy", gate_url), ("http.proxyAuthMethod", "basic")]
     if ca_file is not None:
         settings.append(("http.sslCAInfo", str(ca_file)))
     env.update({
@@ -42,20 +47,21 @@ def git_environment(home: Path, ca_file: Path | None) -> dict[str, str]:
 
 
 async def clone(url: str, ref: str | None, destination: Path, *, time_limit: float,
-                ca_file: Path | None) -> None:
+                ca_file: Path | None, gate: EgressGate) -> None:
     """Clone url into destination, check out ref, fetch submodules recursively."""
-    env = git_environment(destination.parent, ca_file)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + time_limit
-    await _git(["clone", "--quiet", "--no-checkout", "--", url, str(destination)], env,
-               deadline, url)
-    await _git(["-C", str(destination), "checkout", "--quiet", ref or "HEAD", "--"], env,
-               deadline, url)
-    await _git(["-C", str(destination), "submodule", "--quiet", "update", "--init",
-                "--recursive"], env, deadline, url)
+    async with gate.session() as session:
+        env = git_environment(destination.parent, ca_file, session.proxy_url)
+        deadline = asyncio.get_running_loop().time() + time_limit
+        for args in (["clone", "--quiet", "--no-checkout", "--", url, str(destination)],
+                     ["-C", str(destination), "checkout", "--quiet", ref or "HEAD", "--"],
+                     ["-C", str(destination), "submodule", "--quiet", "update", "--init",
+                      "--recursive"]):
+            await _git(args, env, deadline, url, session.refusals)
 
 
-async def _git(args: list[str], env: dict[str, str], deadline: float, url: str) -> None:
+async def _git(args: list[str], env: dict[str, str], deadline: float, url: str,
+               refusals: list[str]) -> None:
+    refused_before = len(refusals)
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
         raise UpstreamTimeout(f"git clone of {url} timed out")
@@ -77,7 +83,10 @@ async def _git(args: list[str], env: dict[str, str], deadline: float, url: str) 
         await process.wait()
         raise
     if process.returncode != 0:
-        message = err.decode("utf-8", "replace").strip()[-_MAX_ERROR:]
+        # A hop the gate refused says more than git's "CONNECT tunnel failed".
+        refused = refusals[refused_before:]
+        message = refused[-1] if refused else \
+            err.decode("utf-8", "replace").strip()[-_MAX_ERROR:]
         raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {url} "
                             f"failed: {message}")
 

@@ -110,7 +110,7 @@ class UpstreamHTTP:
         try:
             for _hop in range(MAX_REDIRECTS + 1):
                 _require_https(url)
-                self.egress.check_url(url)
+                await self.egress.check_target(url)
                 hop_headers = dict(headers or {})
                 if token is not None and urlsplit(url).netloc == token_netloc:
                     hop_headers["Authorization"] = f"Bearer {token}"

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 
 class ConnectProxy:
-    """Runs in the caller's event loop on 127.0.0.1."""
+    """Runs in the caller's event loop on 127.0.0.1. `routes` maps host names to the address
+    the proxy connects to instead (its own DNS, as an egress proxy has)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routes: dict[str, str] | None = None) -> None:
         self.targets: list[str] = []
+        self.routes = routes or {}
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -34,6 +38,7 @@ class ConnectProxy:
                 return
             self.targets.append(request[1])
             host, _, port = request[1].rpartition(":")
+            host = self.routes.get(host, host)
             upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
@@ -54,3 +59,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     finally:
         with contextlib.suppress(Exception):
             writer.close()
+
+
+def use_https_proxy(monkeypatch: pytest.MonkeyPatch, proxy: ConnectProxy) -> None:
+    """Send this process's outbound traffic through proxy (HTTPS_PROXY, no NO_PROXY)."""
+    for name in ("NO_PROXY", "no_proxy", "https_proxy", "HTTP_PROXY", "http_proxy",
+                 "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.port}")

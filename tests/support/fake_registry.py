@@ -24,6 +24,10 @@ from aiohttp import web
 from tests.support.gpg import GpgKey
 
 DEFAULT_PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
+# Other names the server's certificate is good for: tests route them to it (through the
+# CONNECT proxy's routes, or a stand-in for DNS) to play public and internal hosts.
+EXTRA_NAMES = ("releases.example.com", "git.example.com", "sneaky.example.com",
+               "files.corp.example")
 
 
 @dataclass
@@ -94,6 +98,7 @@ class FakeRegistry:
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
         self.url_token = 0
+        self.download_host: str | None = None  # names download URLs' host when set
         self.authorizations: list[tuple[str, str | None]] = []
         self.module_archives: dict[str, bytes] = {}
         self.git_root = Path(tempfile.mkdtemp(prefix="fake-git-"))
@@ -150,6 +155,7 @@ class FakeRegistry:
         self.requests.clear()
         self.authorizations.clear()
         self.faults.clear()
+        self.download_host = None
 
     @property
     def url(self) -> str:
@@ -183,10 +189,11 @@ class FakeRegistry:
         app.router.add_get("/v1/modules/{ns}/{name}/{system}/{version}/download",
                            self._module_download)
         app.router.add_get("/archives/{name}", self._module_archive)
+        app.router.add_get("/to-localhost/{tail:.*}", self._to_localhost)
         # A bare git repository served as static files is the "dumb HTTP" git protocol.
         app.router.add_static("/git/", self.git_root)
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self.ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+        self.ca.issue_cert("127.0.0.1", "localhost", *EXTRA_NAMES).configure_cert(context)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=context)
@@ -249,6 +256,12 @@ class FakeRegistry:
             raise web.HTTPNotFound()
         return web.Response(body=data, content_type="application/octet-stream")
 
+    async def _to_localhost(self, request: web.Request) -> web.Response:
+        """A redirect to this same server under another name, `localhost`: loopback."""
+        query = f"?{request.query_string}" if request.query_string else ""
+        raise web.HTTPFound(f"https://localhost:{self.port}/{request.match_info['tail']}"
+                            f"{query}")
+
     async def _versions(self, request: web.Request) -> web.Response:
         ns, type_ = request.match_info["ns"], request.match_info["type"]
         if "redirectloop" in self.faults:
@@ -300,6 +313,8 @@ class FakeRegistry:
             download_url = "//[x"
         if "loopback-url" in self.faults:  # another name for this very server: loopback
             download_url = f"https://localhost:{self.port}{download_url}"
+        if self.download_host is not None:
+            download_url = f"https://{self.download_host}:{self.port}{download_url}"
         if "metadata-url" in self.faults:
             download_url = "https://169.254.169.254/latest/meta-data/iam/credentials"
         extra: dict[str, object] = {}

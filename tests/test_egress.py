@@ -1,0 +1,311 @@
+"""The egress policy holds on every path: HTTPS hops, git's own connections (redirects,
+submodules) and targets named through an outbound HTTPS_PROXY."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import ipaddress
+import tarfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from proxy.config import ConfigError, load_config
+from proxy.errors import UpstreamError
+from proxy.upstream.egress import EgressPolicy
+from proxy.upstream.egress_gate import EgressGate
+from tests.support.connect_proxy import ConnectProxy, use_https_proxy
+from tests.support.fake_dns import fake_dns
+from tests.support.fake_registry import EXTRA_NAMES, FakeRegistry
+
+Make = Callable[..., Awaitable[TestClient]]
+MODULES = "/modules/registry.terraform.io/acme"
+PROVIDER = "/mirror/registry.terraform.io/hashicorp/null"
+ZIP = "terraform-provider-null_3.2.1_linux_amd64.zip"
+LOOPBACK = 'allowed_networks = ["127.0.0.0/8", "::1/128"]'
+
+
+async def module_archive(client: TestClient, module: str) -> tuple[int, str, bytes]:
+    """Ask for a module's download and then its archive: (status, error, archive bytes)."""
+    response = await client.get(f"{MODULES}/{module}/download")
+    if response.status != 200:
+        return response.status, (await response.json())["errors"][0], b""
+    location = (await response.json())["location"]
+    archive = await client.get(urlsplit(location).path)
+    return archive.status, "", await archive.read()
+
+
+def members(data: bytes) -> set[str]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        return set(tar.getnames())
+
+
+@pytest.fixture
+async def tunnel(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ConnectProxy]:
+    """A real CONNECT proxy as HTTPS_PROXY, whose own DNS sends the test's names to the fake
+    upstream; this machine's DNS (the policy's lookups) knows only what a test tells it."""
+    proxy = await ConnectProxy(routes={name: "127.0.0.1" for name in EXTRA_NAMES}).start()
+    use_https_proxy(monkeypatch, proxy)
+    fake_dns(monkeypatch)
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+def connects_to(tunnel: ConnectProxy, host: str) -> bool:
+    return any(target.rpartition(":")[0].strip("[]") == host for target in tunnel.targets)
+
+
+# --- git: every hop ----------------------------------------------------------------------
+
+async def test_git_redirect_to_a_private_host_is_refused(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    status, error, _ = await module_archive(client, "moved/aws/1.2.0")
+    assert status == 502
+    assert "refusing to connect to localhost" in error
+    assert registry.paths() == ["/v1/modules/acme/moved/aws/versions",
+                                "/v1/modules/acme/moved/aws/1.2.0/download",
+                                "/to-localhost/git/net.git/info/refs"]  # nothing after it
+
+    # The same redirect, followed when the operator opened loopback: the refusal above was
+    # the policy, not a broken redirect.
+    client = await make(upstream_extra=LOOPBACK)
+    status, error, data = await module_archive(client, "moved/aws/1.2.0")
+    assert (status, error) == (200, "")
+    assert {"main.tf", "shared/main.tf"} <= members(data)
+    assert "/git/net.git/info/refs" in registry.paths()
+
+
+async def test_git_submodule_on_a_private_host_is_refused(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    status, error, _ = await module_archive(client, "sneaky/aws/1.0.0")
+    assert status == 502
+    assert "refusing to connect to localhost" in error
+    assert "/git/sneaky.git/info/refs" in registry.paths()
+    assert not any(p.startswith("/git/shared.git/") for p in registry.paths())
+
+
+async def test_relative_submodule_resolves_against_the_superproject(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    status, error, data = await module_archive(client, "relative/aws/1.0.0")
+    assert (status, error) == (200, "")
+    assert "shared/main.tf" in members(data)
+    assert any(p.startswith("/git/shared.git/") for p in registry.paths())
+
+
+async def test_operator_git_config_cannot_rewrite_module_hosts(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    # Were any of these read, every clone would go to localhost, which the gate refuses.
+    rewrite = f'[url "https://localhost:{registry.port}/"]\n\tinsteadOf = {registry.url}/\n'
+    for directory in (tmp_path / "home", tmp_path / "xdg" / "git"):
+        directory.mkdir(parents=True)
+    (tmp_path / "home" / ".gitconfig").write_text(rewrite)
+    (tmp_path / "xdg" / "git" / "config").write_text(rewrite)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "home" / ".gitconfig"))
+    monkeypatch.setenv("GIT_CONFIG_PARAMETERS",
+                       f"'url.https://localhost:{registry.port}/.insteadof'='{registry.url}/'")
+    client = await make()
+    status, error, data = await module_archive(client, "net/aws/1.2.0")
+    assert (status, error) == (200, "")
+    assert "shared/main.tf" in members(data)
+
+
+async def test_module_tarball_redirect_to_a_private_host_is_refused(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make()
+    status, error, _ = await module_archive(client, "movedtarball/aws/1.0.0")
+    assert status == 502
+    assert "refusing to connect to localhost" in error
+    assert not any(p.startswith("/archives/") for p in registry.paths())
+
+    client = await make(upstream_extra=LOOPBACK)
+    status, error, data = await module_archive(client, "movedtarball/aws/1.0.0")
+    assert (status, error) == (200, "")
+    assert members(data) == {"main.tf"}
+    assert "/archives/tarball-1.0.0.tgz" in registry.paths()
+
+
+# --- through an outbound HTTPS_PROXY ---------------------------------------------------
+
+@pytest.mark.parametrize(("host", "dns", "extra"), [
+    ("localhost", {}, ""),
+    ("0x7f.1", {}, ""),  # 127.0.0.1 in disguise: the outbound proxy would accept it
+    ("169.254.169.254", {}, ""),
+    ("files.corp.example", {}, 'internal_zones = ["corp.example"]'),
+    ("sneaky.example.com", {"sneaky.example.com": ["10.1.2.3"]}, ""),
+])
+async def test_targets_named_through_https_proxy_are_checked_before_the_tunnel(
+        make: Make, registry: FakeRegistry, tunnel: ConnectProxy,
+        monkeypatch: pytest.MonkeyPatch, host: str, dns: dict[str, list[str]],
+        extra: str) -> None:
+    fake_dns(monkeypatch, dns)
+    client = await make(upstream_extra=extra)
+    assert (await client.get(f"{PROVIDER}/3.2.1.json")).status == 200
+    registry.download_host = host
+    response = await client.get(f"{PROVIDER}/{ZIP}")
+    assert response.status == 502
+    assert f"refusing to connect to {host}" in (await response.json())["errors"][0]
+    assert tunnel.targets  # the registry itself was reached through the tunnel
+    assert not connects_to(tunnel, host)
+    assert registry.archive_requests() == []
+
+
+@pytest.mark.parametrize(("host", "dns", "extra"), [
+    ("releases.example.com", {}, ""),  # unknown here: the outbound proxy resolves it
+    ("files.corp.example", {"files.corp.example": ["10.9.9.9"]},
+     'internal_zones = ["corp.example"]\nallowed_networks = ["10.0.0.0/8"]'),
+])
+async def test_allowed_targets_go_through_https_proxy(
+        make: Make, registry: FakeRegistry, tunnel: ConnectProxy,
+        monkeypatch: pytest.MonkeyPatch, host: str, dns: dict[str, list[str]],
+        extra: str) -> None:
+    fake_dns(monkeypatch, dns)
+    client = await make(upstream_extra=extra)
+    registry.download_host = host
+    response = await client.get(f"{PROVIDER}/{ZIP}")
+    assert response.status == 200, await response.text()
+    assert await response.read() == registry.releases[
+        ("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    assert f"{host}:{registry.port}" in tunnel.targets
+
+
+async def test_git_goes_through_https_proxy_and_its_redirects_are_checked(
+        make: Make, registry: FakeRegistry, tunnel: ConnectProxy) -> None:
+    client = await make()
+    status, error, data = await module_archive(client, "public/aws/1.2.0")
+    assert (status, error) == (200, "")
+    assert {"main.tf", "shared/main.tf"} <= members(data)
+    assert f"git.example.com:{registry.port}" in tunnel.targets  # the source
+    assert f"127.0.0.1:{registry.port}" in tunnel.targets  # its submodule
+
+    tunnel.targets.clear()
+    registry.requests.clear()
+    status, error, _ = await module_archive(client, "moved/aws/1.2.0")
+    assert status == 502
+    assert "refusing to connect to localhost" in error
+    assert not connects_to(tunnel, "localhost")
+    assert not any(p.startswith("/git/") for p in registry.paths())
+
+
+# --- the rule itself ---------------------------------------------------------------------
+
+PROXIED_REFUSED = ["localhost", "LOCALHOST.", "a.localhost", "printer.local", "db.internal",
+                   "nas.home.arpa", "box.localdomain", "git.corp.example", "127.1", "0x7f.1",
+                   "2130706433", "[::1]", "[::ffff:127.0.0.1]", "169.254.169.254",
+                   "10.0.0.1", "rebind.example.com", "mixed.example.com"]
+DNS = {"rebind.example.com": ["10.0.0.1"], "mixed.example.com": ["93.184.215.14", "10.0.0.1"],
+       "public.example.com": ["93.184.215.14"], "git.corp.example": ["10.2.3.4"]}
+
+
+def policy(networks: tuple[str, ...] = ()) -> EgressPolicy:
+    return EgressPolicy(["registry.terraform.io"], [ipaddress.ip_network(n) for n in networks],
+                        internal_zones=["corp.example"], proxy_hosts=["squid.corp.example"])
+
+
+@pytest.mark.parametrize("host", PROXIED_REFUSED)
+async def test_rule_refuses_through_a_proxy(monkeypatch: pytest.MonkeyPatch,
+                                            host: str) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://squid.corp.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    fake_dns(monkeypatch, DNS)
+    with pytest.raises(UpstreamError, match="refusing to connect to"):
+        await policy().check_target(f"https://{host}/x")
+
+
+@pytest.mark.parametrize(("host", "networks"), [
+    ("registry.terraform.io", ()),  # configured: trusted as it is
+    ("releases.example.com", ()),  # does not resolve here: the outbound proxy resolves it
+    ("public.example.com", ()),
+    ("93.184.215.14", ()),
+    ("git.corp.example", ("10.0.0.0/8",)),  # an internal zone, opened by allowed_networks
+    ("10.0.0.1", ("10.0.0.0/8",)),
+])
+async def test_rule_allows_through_a_proxy(monkeypatch: pytest.MonkeyPatch, host: str,
+                                           networks: tuple[str, ...]) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://squid.corp.example:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    fake_dns(monkeypatch, DNS)
+    await policy(networks).check_target(f"https://{host}/x")
+
+
+async def test_rule_without_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    fake_dns(monkeypatch, DNS)
+    rule = policy()
+    # Names in internal zones and address literals are refused before any connection...
+    for host in ("localhost", "git.corp.example", "127.1", "[::1]"):
+        with pytest.raises(UpstreamError, match="refusing to connect to"):
+            await rule.check_target(f"https://{host}/")
+    # ... as is the outbound proxy's own name when named as a target ...
+    with pytest.raises(UpstreamError, match=r"refusing to connect to squid\.corp\.example"):
+        await rule.check_target("https://squid.corp.example:3128/")
+    # ... other names are left to the resolver, which connects only to allowed addresses.
+    await rule.check_target("https://rebind.example.com/")
+    assert await rule.connectable("mixed.example.com", 443) == [
+        ipaddress.ip_address("93.184.215.14")]
+    with pytest.raises(UpstreamError, match=r"refusing to connect to rebind\.example\.com"):
+        await rule.connectable("rebind.example.com", 443)
+
+
+def test_internal_zones_setting(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[upstream]\ninternal_zones = ["corp.example.com", ".Lab.Example"]\n')
+    assert load_config(path, environ={}).upstream.internal_zones == (
+        "corp.example.com", "lab.example")
+    path.write_text('[upstream]\ninternal_zones = ["corp example", "x.example:8443"]\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    assert len(caught.value.problems) == 2
+    assert all(p.startswith("upstream.internal_zones") for p in caught.value.problems)
+
+
+# --- the gate git goes through -------------------------------------------------------------
+
+async def connect(port: int, target: str, credentials: str | None) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
+    if credentials is not None:
+        lines.append("Proxy-Authorization: Basic "
+                     + base64.b64encode(credentials.encode()).decode())
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    status = await reader.readline()
+    writer.close()
+    return status
+
+
+async def test_gate_serves_only_its_clones_and_only_allowed_targets(
+        monkeypatch: pytest.MonkeyPatch, registry: FakeRegistry) -> None:
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    fake_dns(monkeypatch)
+    gate = EgressGate(EgressPolicy(["127.0.0.1"], []), connect_timeout=5)
+    try:
+        async with gate.session() as session:
+            user_token = session.proxy_url.removeprefix("http://").rpartition("@")[0]
+            port = int(session.proxy_url.rpartition(":")[2])
+            target = f"127.0.0.1:{registry.port}"
+            assert (await connect(port, target, None)).startswith(b"HTTP/1.1 407")
+            assert (await connect(port, target, user_token + "x")).startswith(b"HTTP/1.1 407")
+            assert (await connect(port, target, user_token)).startswith(b"HTTP/1.1 200")
+            denied = await connect(port, f"localhost:{registry.port}", user_token)
+            assert denied.startswith(b"HTTP/1.1 403")
+            assert session.refusals and "refusing to connect to localhost" in session.refusals[0]
+        # Credentials end with the clone.
+        assert (await connect(port, target, user_token)).startswith(b"HTTP/1.1 407")
+    finally:
+        await gate.close()
