@@ -27,6 +27,7 @@ from proxy.middleware import error_middleware
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.provider_registry_service import ProviderRegistryService
+from proxy.responses import remember_prepared
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.egress_gate import EgressGate
@@ -48,6 +49,7 @@ def create_app(config: Config) -> web.Application:
     app[METRICS_KEY] = metrics
     add_routes(app)
     app.on_response_prepare.append(_server_header)
+    app.on_response_prepare.append(remember_prepared)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         cache_dir = config.cache.dir

@@ -35,6 +35,10 @@ class Metrics:
         self.served_bytes = Counter(
             "tfproxy_served_bytes", "Package and module bytes sent to clients.",
             ["kind"], registry=self.registry)
+        self.aborted_responses = Counter(
+            "tfproxy_aborted_responses", "Responses cut off after their headers were sent "
+            "(connection reset), by route and reason (integrity, upstream, io, internal).",
+            ["route", "reason"], registry=self.registry)
         self.cache_files = Gauge(
             "tfproxy_cache_files", "Packages and modules in the cache.",
             registry=self.registry)

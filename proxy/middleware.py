@@ -11,6 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from proxy.errors import BadRequest, ProxyError
 from proxy.metrics import Metrics
+from proxy.responses import PREPARED_RESPONSE_KEY, abort_after_headers
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def reject_odd_path(raw_path: str) -> None:
 
 
 def error_middleware(metrics: Metrics) -> Middleware:
-    """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback."""
+    """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback. A failure
+    after the response headers were sent cannot be answered: it cuts the connection."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -52,27 +54,37 @@ def error_middleware(metrics: Metrics) -> Middleware:
             except UnicodeDecodeError:
                 raise BadRequest("request path is not valid UTF-8") from None
             response = await handler(request)
-        except ProxyError as exc:
-            if exc.status >= 500:
-                log.warning("%s %s -> %d: %s", request.method, request.path, exc.status,
-                            exc.message)
-            response = json_error(exc.status, exc.message)
-            if exc.status == 401:
-                response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'
-
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            response = json_error(exc.status, exc.reason)
-            if "Allow" in exc.headers:  # a 405 must say what is allowed
-                response.headers["Allow"] = exc.headers["Allow"]
-        except Exception:
-            log.exception("unexpected error on %s %s", request.method, request.path)
-            response = json_error(500, "internal error")
+        except Exception as exc:
+            prepared = request.get(PREPARED_RESPONSE_KEY)
+            if prepared is None:
+                response = _error_response(request, exc)
+            else:
+                abort_after_headers(request, exc, metrics.aborted_responses, route)
+                response = prepared  # aiohttp finds it sent and the connection gone
         metrics.requests.labels(route, f"{response.status // 100}xx").inc()
         return response
 
     return middleware
+
+
+def _error_response(request: web.Request, exc: Exception) -> web.Response:
+    if isinstance(exc, ProxyError):
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.path, exc.status,
+                        exc.message)
+        response = json_error(exc.status, exc.message)
+        if exc.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'
+        return response
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        response = json_error(exc.status, exc.reason)
+        if "Allow" in exc.headers:  # a 405 must say what is allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    log.error("unexpected error on %s %s", request.method, request.path, exc_info=exc)
+    return json_error(500, "internal error")
 
 
 def _route_name(request: web.Request) -> str:

@@ -1,11 +1,13 @@
-"""Response helpers: protocol JSON documents, and files sent from the cache or while they
-are still being downloaded."""
+"""Response helpers: protocol JSON documents, files sent from the cache or while they are
+still being downloaded, and the one way a response that fails after its headers ends."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from prometheus_client import Counter
 
 from proxy.access_log import CACHE_RESULT_KEY
 from proxy.archives import ArchiveStore, GrowingFile
-from proxy.errors import ProxyError
+from proxy.errors import IntegrityError, ProxyError
 
 log = logging.getLogger(__name__)
 
@@ -28,31 +30,81 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
 
 async def send_file(request: web.Request, source: Path | GrowingFile, content_type: str,
                     store: ArchiveStore, served: Counter) -> web.StreamResponse:
-    """A stored file by sendfile, or a download under way as its bytes arrive. A download
-    that fails verification ends the connection mid-body: never a clean end of bad bytes."""
+    """A stored file by sendfile, or a download under way as its bytes arrive. Either is sent
+    here, inside the error middleware: a failure before the headers becomes a JSON error, one
+    after them cuts the connection (see `abort_after_headers`)."""
     request[CACHE_RESULT_KEY] = "hit" if isinstance(source, Path) else "miss"
     if isinstance(source, GrowingFile) and request.method == "HEAD":
         source = await source.wait_done()  # noqa: ASYNC240 - not a pathlib call
     if isinstance(source, Path):
         store.touch(source)
-        return _InUseFileResponse(source, store, served,
-                                  headers={"Content-Type": content_type})
+        sent = _InUseFileResponse(source, store, served, headers={"Content-Type": content_type})
+        await sent.prepare(request)
+        return sent
     streamed = web.StreamResponse(headers={"Content-Type": content_type})
     if source.size is not None:
         streamed.content_length = source.size
     await streamed.prepare(request)
-    try:
-        async with contextlib.aclosing(source.chunks()) as chunks:
-            async for chunk in chunks:
-                await streamed.write(chunk)
-                served.inc(len(chunk))
-    except ProxyError as exc:
-        log.warning("aborting %s mid-body: %s", request.path, exc.message)
-        if request.transport is not None:
-            request.transport.close()
-        return streamed
+    # A download that fails verification (or cannot be published) raises here, mid-body.
+    async with contextlib.aclosing(source.chunks()) as chunks:
+        async for chunk in chunks:
+            await streamed.write(chunk)
+            served.inc(len(chunk))
     await streamed.write_eof()
     return streamed
+
+
+# --- failures after the headers were sent --------------------------------------------------
+
+PREPARED_RESPONSE_KEY = web.RequestKey("prepared_response", web.StreamResponse)
+
+
+async def remember_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: note that this request's status line and headers are committed,
+    so that a later failure is not answered with a second response."""
+    request[PREPARED_RESPONSE_KEY] = response
+
+
+def _abort_reason(exc: BaseException) -> str:
+    """A bounded label for why a response was cut off."""
+    if isinstance(exc, IntegrityError):
+        return "integrity"
+    if isinstance(exc, ProxyError):
+        return "upstream"
+    if isinstance(exc, OSError):
+        return "io"
+    return "internal"
+
+
+def abort_after_headers(request: web.Request, exc: BaseException, aborted: Counter,
+                        route: str) -> None:
+    """A failure after the headers went out: no error answer can follow them, and ending the
+    body cleanly would hand the client a short or bad file as if it were whole. Reset the
+    connection, count it and log it once. A client that hung up is neither."""
+    transport = request.transport
+    if isinstance(exc, ConnectionError) and (transport is None or transport.is_closing()):
+        log.debug("client left %s %s mid-body", request.method, request.path)
+    else:
+        reason = _abort_reason(exc)
+        aborted.labels(route, reason).inc()
+        message = exc.message if isinstance(exc, ProxyError) else str(exc) or type(exc).__name__
+        log.log(logging.WARNING if isinstance(exc, ProxyError) else logging.ERROR,
+                "%s %s cut off mid-body (%s): %s", request.method, request.path, reason,
+                message, exc_info=exc if reason == "internal" else None)
+    _reset_connection(request)
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Drop the connection with a TCP reset, discarding anything not yet sent: a clean close
+    (FIN) would end a body that has no Content-Length as if it were complete."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 class _InUseFileResponse(web.FileResponse):
@@ -66,6 +118,9 @@ class _InUseFileResponse(web.FileResponse):
         self._served = served
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared:
+            # Sent by the handler already; aiohttp calls prepare again when it finishes.
+            return await web.StreamResponse.prepare(self, request)
         with self._store.using(self._in_use_path):
             writer = await super().prepare(request)
         if request.method != "HEAD" and self.status == 200 and self.content_length:

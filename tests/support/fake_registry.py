@@ -363,7 +363,8 @@ class FakeRegistry:
                        pause: float = 0.05) -> web.StreamResponse:
         """Send a body in pieces, by default slowly (a slow upstream mid-download)."""
         response = web.StreamResponse(headers={"Content-Type": "application/zip"})
-        response.content_length = len(body)
+        if "nolength" not in self.faults:  # else chunked: the size is not known in advance
+            response.content_length = len(body)
         await response.prepare(request)
         view = memoryview(body)
         for offset in range(0, len(body), piece):
