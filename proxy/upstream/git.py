@@ -12,6 +12,7 @@ import ssl
 from pathlib import Path
 
 from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.redaction import excerpt, mask_secrets
 
 _PASSED_ENV = ("PATH", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY",
                "all_proxy")
@@ -56,9 +57,10 @@ async def clone(url: str, ref: str | None, destination: Path, *, time_limit: flo
 
 
 async def _git(args: list[str], env: dict[str, str], deadline: float, url: str) -> None:
+    shown = mask_secrets(url)  # the URL git is given may carry credentials; messages never
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
-        raise UpstreamTimeout(f"git clone of {url} timed out")
+        raise UpstreamTimeout(f"git clone of {shown} timed out")
     try:
         process = await asyncio.create_subprocess_exec(
             "git", *args, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -71,14 +73,16 @@ async def _git(args: list[str], env: dict[str, str], deadline: float, url: str) 
     except TimeoutError:
         process.kill()
         await process.wait()
-        raise UpstreamTimeout(f"git clone of {url} timed out") from None
+        raise UpstreamTimeout(f"git clone of {shown} timed out") from None
     except asyncio.CancelledError:
         process.kill()
         await process.wait()
         raise
     if process.returncode != 0:
-        message = err.decode("utf-8", "replace").strip()[-_MAX_ERROR:]
-        raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {url} "
+        # git's output may quote the URL (a submodule's too) with its credentials: mask
+        # before cutting, or a cut could hide what marks the secret.
+        message = excerpt(err.decode("utf-8", "replace").strip(), _MAX_ERROR, tail=True)
+        raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {shown} "
                             f"failed: {message}")
 
 
