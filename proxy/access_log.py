@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
+from proxy.redaction import mask_secrets
+
+__all__ = ["CACHE_RESULT_KEY", "JsonAccessLogger", "PlainAccessLogger", "mask_secrets",
+           "request_line_fields"]
+
 log = logging.getLogger("proxy.access")
-# Query parameters that carry credentials (our signed URLs, cloud storage signatures).
-_SECRET_PARAM = re.compile(r"(?i)([?&][^=&]*(?:sig|token|key|credential|auth)[^=&]*=)[^&]*")
 # Set by handlers that serve files: "hit" (from the cache) or "miss" (fetched now).
 CACHE_RESULT_KEY = web.RequestKey("cache_result", str)
-
-
-def mask_secrets(path_qs: str) -> str:
-    """The request target with credential-like query values replaced by ***."""
-    return _SECRET_PARAM.sub(r"\1***", path_qs)
 
 
 def request_line_fields(request: BaseRequest, response: StreamResponse,

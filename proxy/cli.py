@@ -31,6 +31,7 @@ from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.errors import BadRequest
 from proxy.models import Platform
+from proxy.redaction import install_log_masking, mask_secrets
 from proxy.tls import ensure_certificate, ssl_context
 from proxy.warm import summary as warm_summary
 from proxy.warm import warm, warm_cache
@@ -102,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print("tf-registry-proxy: invalid configuration:", file=sys.stderr)
         for problem in exc.problems:
-            print(f"  - {problem}", file=sys.stderr)
+            print(f"  - {mask_secrets(problem)}", file=sys.stderr)
         return 2
     if args.command == "client-config":
         generated_ca = None if config.server.tls_cert else config.cache.dir / "tls" / "ca.pem"
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _warm(config: Config, args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
     try:
         requirements = read_sources(args.sources)
     except SourceError as exc:
@@ -203,13 +204,20 @@ def _import(config: Config, args: argparse.Namespace) -> int:
 
 
 def _fail(message: str) -> int:
-    print(f"tf-registry-proxy: {message}", file=sys.stderr)
+    print(f"tf-registry-proxy: {mask_secrets(message)}", file=sys.stderr)
     return 2
 
 
+def configure_logging(level: int | str, line_format: str) -> None:
+    """Log to stderr with secrets masked in every record, whoever logs it (our modules,
+    aiohttp, tracebacks)."""
+    logging.basicConfig(level=level, format=line_format)
+    install_log_masking()
+
+
 def _serve(config: Config) -> int:
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.server.log_level.upper(),
+                      "%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = config.server
     try:
         config.cache.dir.mkdir(parents=True, exist_ok=True)
@@ -275,8 +283,8 @@ def _serve_workers(config: Config, generated_ca: Path | None) -> int:
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    configure_logging(config.server.log_level.upper(),
+                      f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
     certificate = ensure_certificate(config.server, config.cache.dir)
     raise SystemExit(_run_loop(_run(config, ssl_context(certificate), generated_ca,
                                     reuse_port=True, announce=index == 0),

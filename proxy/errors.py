@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from proxy.redaction import mask_secrets
+
 
 class ProxyError(Exception):
     """Base of all errors that become a JSON error response."""
@@ -9,6 +11,9 @@ class ProxyError(Exception):
     status: int = 500
 
     def __init__(self, message: str) -> None:
+        # Messages go to clients and logs, and often quote an upstream URL or git's output:
+        # masked once here, whoever raised them.
+        message = mask_secrets(message)
         super().__init__(message)
         self.message = message
 

@@ -11,14 +11,16 @@ from aiohttp.typedefs import Handler, Middleware
 
 from proxy.errors import BadRequest, ProxyError
 from proxy.metrics import Metrics
+from proxy.redaction import mask_secrets
 from proxy.responses import PREPARED_RESPONSE_KEY, abort_after_headers
 
 log = logging.getLogger(__name__)
 
 
 def json_error(status: int, message: str) -> web.Response:
-    """The one error shape: `{"errors": ["..."]}`."""
-    return web.Response(status=status, body=json.dumps({"errors": [message]}).encode(),
+    """The one error shape: `{"errors": ["..."]}`, secrets masked."""
+    return web.Response(status=status,
+                        body=json.dumps({"errors": [mask_secrets(message)]}).encode(),
                         content_type="application/json")
 
 

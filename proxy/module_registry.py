@@ -23,6 +23,7 @@ from proxy.metrics import Metrics
 from proxy.models import ModuleAddress
 from proxy.module_packing import pack, select_subdir, unpack
 from proxy.module_sources import ModuleSource, UnsupportedSource, parse_source
+from proxy.redaction import excerpt, mask_secrets
 from proxy.singleflight import SingleFlight
 from proxy.upstream import git
 from proxy.upstream.egress_gate import EgressGate
@@ -116,7 +117,7 @@ class ModuleRegistry:
         except UnsupportedSource as exc:
             log.error("module %s %s: %s", module, version, exc.message)
             raise
-        log.info("fetching module %s %s from %s", module, version, source.url)
+        log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
         async with self._fill_slots:
             return await self._build(module, source, parts)
 
@@ -149,7 +150,7 @@ class ModuleRegistry:
                             ca_file=self._git_ca_file, gate=self._git_gate)
             return tree
         if source.archive is None:
-            raise UnsupportedSource(f"module location {source.url[:200]} is not an archive "
+            raise UnsupportedSource(f"module location {excerpt(source.url, 200)} is not an archive "
                                     "(no ?archive= and no known extension)")
         download = work / "source.archive"
         await self._http.download(source.url, module.hostname, download, limit)

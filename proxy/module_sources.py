@@ -14,12 +14,18 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
 
 from proxy.errors import UpstreamError
+from proxy.redaction import excerpt
 
 ARCHIVE_FORMATS = ("tar.gz", "tgz", "zip", "tar.xz", "txz", "tar.bz2", "tbz2", "tar")
 _FORCED = re.compile(r"^([A-Za-z0-9]+)::(.+)$", re.DOTALL)
 _GITHUB_SHORTHAND = re.compile(r"^github\.com/([A-Za-z0-9_.-]+)/([A-Za-z0-9_.-]+)(.*)$")
 _GIT_REF = re.compile(r"^[A-Za-z0-9._/+-]{1,200}$")
 _MAX_LOCATION = 4096
+
+
+def _shown(text: str) -> str:
+    """A location as error messages quote it: short, credentials masked."""
+    return excerpt(text, 200)
 
 
 class UnsupportedSource(UpstreamError):
@@ -44,7 +50,7 @@ def resolve_location(location: str, download_url: str) -> str:
         try:
             return urljoin(download_url, location)
         except ValueError:
-            raise UpstreamError(f"invalid module location {location[:200]!r}") from None
+            raise UpstreamError(f"invalid module location {_shown(location)!r}") from None
     return location
 
 
@@ -53,7 +59,7 @@ def parse_source(location: str) -> ModuleSource:
     try:
         return _parse_source(location)
     except ValueError:  # urllib on malformed URLs, e.g. an invalid IPv6 literal
-        raise UpstreamError(f"invalid module location {location[:200]!r}") from None
+        raise UpstreamError(f"invalid module location {_shown(location)!r}") from None
 
 
 def _parse_source(location: str) -> ModuleSource:
@@ -71,10 +77,10 @@ def _parse_source(location: str) -> ModuleSource:
             repo = repo if repo.endswith(".git") else repo + ".git"
             forced, rest = "git", f"https://github.com/{owner}/{repo}{tail}"
         elif rest.startswith("git@"):
-            raise UnsupportedSource(f"module source over ssh is not supported: {location[:200]}")
+            raise UnsupportedSource(f"module source over ssh is not supported: {_shown(location)}")
         elif "://" not in rest:
             raise UnsupportedSource(
-                f"module source {location[:200]!r} is not a URL (another registry address or "
+                f"module source {_shown(location)!r} is not a URL (another registry address or "
                 "a local path); only https archives and git over https are supported")
         else:
             forced = "http"
@@ -83,7 +89,7 @@ def _parse_source(location: str) -> ModuleSource:
     if forced in ("http", "https"):
         return _http_source(rest, subdir, location)
     raise UnsupportedSource(f"module source type {forced!r} is not supported "
-                            f"(only https archives and git over https): {location[:200]}")
+                            f"(only https archives and git over https): {_shown(location)}")
 
 
 def split_subdir(source: str) -> tuple[str, str]:
@@ -104,19 +110,19 @@ def clean_subdir(subdir: str) -> str:
     if not subdir:
         return ""
     if subdir.startswith("/") or "\\" in subdir or "\0" in subdir:
-        raise UpstreamError(f"invalid module subdirectory {subdir[:200]!r}")
+        raise UpstreamError(f"invalid module subdirectory {_shown(subdir)!r}")
     normalized = posixpath.normpath(subdir)
     if normalized == ".":
         return ""
     if normalized == ".." or normalized.startswith("../"):
-        raise UpstreamError(f"module subdirectory escapes the source: {subdir[:200]!r}")
+        raise UpstreamError(f"module subdirectory escapes the source: {_shown(subdir)!r}")
     return normalized
 
 
 def _git_source(url: str, subdir: str, location: str) -> ModuleSource:
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
-        raise UnsupportedSource(f"git module sources must use https: {location[:200]}")
+        raise UnsupportedSource(f"git module sources must use https: {_shown(location)}")
     query = parse_qsl(parts.query, keep_blank_values=True)
     ref = None
     kept = []
@@ -138,7 +144,7 @@ def _git_source(url: str, subdir: str, location: str) -> ModuleSource:
 def _http_source(url: str, subdir: str, location: str) -> ModuleSource:
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
-        raise UnsupportedSource(f"module archives must be fetched over https: {location[:200]}")
+        raise UnsupportedSource(f"module archives must be fetched over https: {_shown(location)}")
     archive = None
     kept = []
     for key, value in parse_qsl(parts.query, keep_blank_values=True):

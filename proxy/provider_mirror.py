@@ -20,6 +20,7 @@ from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, Upstream
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
+from proxy.redaction import mask_secrets
 from proxy.stored_hashes import DamagedFile, h1_of_stored
 from proxy.verified_packages import VerifiedPackage, VerifiedPackages
 
@@ -266,7 +267,7 @@ class ProviderMirror:
             self._metrics.fills_in_flight.inc()
             try:
                 log.info("fetching %s %s %s from %s", provider, version, platform.key,
-                         info.download_url)
+                         mask_secrets(info.download_url))  # may be a presigned URL
                 stream = self.packages.registry.open_package(provider, info.download_url,
                                                      self._config.max_archive_size)
                 async with stream as download:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from proxy.app import create_app
 from proxy.constraints import newest_matching
+from proxy.redaction import excerpt, mask_secrets
 from proxy.settings import AuthConfig, Config
 from proxy.warm_sources import Requirement
 
@@ -53,7 +54,8 @@ class _Progress:
     def done(self, what: str, size: int) -> None:
         self.items += 1
         self.bytes += size
-        self.out.write(f"[{self.items} items, {self.bytes / 2**20:,.1f} MiB] {what}\n")
+        self.out.write(f"[{self.items} items, {self.bytes / 2**20:,.1f} MiB] "
+                       f"{mask_secrets(what)}\n")
         self.out.flush()
 
 
@@ -82,7 +84,8 @@ async def warm(base_url: str, requirements: list[Requirement], platforms: list[s
                         await _module(session, requirement, result, progress)
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError,
                         TypeError, AssertionError) as exc:  # whatever a proxy answered
-                    result.problems.append(str(exc) or type(exc).__name__)
+                    # Error bodies and URLs (signed ones too) are whatever a proxy answered.
+                    result.problems.append(mask_secrets(str(exc) or type(exc).__name__))
                 return result
 
         return list(await asyncio.gather(*(one(r) for r in requirements)))
@@ -92,7 +95,7 @@ async def _json(session: aiohttp.ClientSession, path: str) -> tuple[str, dict[st
     async with session.get(path) as response:
         if response.status != 200:
             body = await response.text()
-            raise ValueError(f"{path}: HTTP {response.status} {body[:300]}")
+            raise ValueError(f"{path}: HTTP {response.status} {excerpt(body, 300)}")
         return str(response.url), await response.json()
 
 
@@ -174,7 +177,7 @@ def summary(results: list[WarmResult]) -> str:
     for r in results:
         rows.append((f"{r.requirement.address} {r.requirement.constraint}".strip(),
                      r.version or "-", str(r.items), f"{r.bytes / 2**20:.1f}",
-                     "ok" if r.ok else "; ".join(r.problems)[:120] or "failed"))
+                     "ok" if r.ok else excerpt("; ".join(r.problems), 120) or "failed"))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(widths[i]) if i < 4 else cell
                                for i, cell in enumerate(row)) for row in rows) + "\n"

@@ -14,6 +14,7 @@ import ssl
 from pathlib import Path
 
 from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.redaction import excerpt, mask_secrets
 from proxy.upstream.egress_gate import EgressGate
 
 # Not the proxy variables: git's only way out is the gate, which honors them itself.
@@ -62,9 +63,10 @@ async def clone(url: str, ref: str | None, destination: Path, *, time_limit: flo
 async def _git(args: list[str], env: dict[str, str], deadline: float, url: str,
                refusals: list[str]) -> None:
     refused_before = len(refusals)
+    shown = mask_secrets(url)  # the URL git is given may carry credentials; messages never
     remaining = deadline - asyncio.get_running_loop().time()
     if remaining <= 0:
-        raise UpstreamTimeout(f"git clone of {url} timed out")
+        raise UpstreamTimeout(f"git clone of {shown} timed out")
     try:
         process = await asyncio.create_subprocess_exec(
             "git", *args, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -77,17 +79,19 @@ async def _git(args: list[str], env: dict[str, str], deadline: float, url: str,
     except TimeoutError:
         process.kill()
         await process.wait()
-        raise UpstreamTimeout(f"git clone of {url} timed out") from None
+        raise UpstreamTimeout(f"git clone of {shown} timed out") from None
     except asyncio.CancelledError:
         process.kill()
         await process.wait()
         raise
     if process.returncode != 0:
-        # A hop the gate refused says more than git's "CONNECT tunnel failed".
+        # A hop the gate refused says more than git's "CONNECT tunnel failed". git's output
+        # may quote the URL (a submodule's too) with its credentials: mask before cutting, or
+        # a cut could hide what marks the secret.
         refused = refusals[refused_before:]
-        message = refused[-1] if refused else \
-            err.decode("utf-8", "replace").strip()[-_MAX_ERROR:]
-        raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {url} "
+        message = mask_secrets(refused[-1]) if refused else \
+            excerpt(err.decode("utf-8", "replace").strip(), _MAX_ERROR, tail=True)
+        raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {shown} "
                             f"failed: {message}")
 
 

@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from proxy.config import UpstreamConfig
 from proxy.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
 from proxy.metrics import Metrics
+from proxy.redaction import excerpt
 from proxy.upstream.egress import EgressPolicy, GuardedResolver
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class UpstreamHTTP:
             return fetched.url, json.loads(fetched.body)
         except (ValueError, RecursionError):  # bad UTF-8 or JSON, absurd numbers or nesting
             raise UpstreamError(f"upstream {origin} answered invalid JSON for "
-                                f"{url[:200]}") from None
+                                f"{excerpt(url, 200)}") from None
 
     async def get_bytes(self, url: str, origin: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
         """GET a small file that must exist (SHA256SUMS, signatures)."""
@@ -220,7 +221,7 @@ def _require_https(url: str) -> None:
     except ValueError:
         valid = False
     if not valid:
-        raise UpstreamError(f"refusing non-https upstream URL {url[:200]!r}")
+        raise UpstreamError(f"refusing non-https upstream URL {excerpt(url, 200)!r}")
 
 
 def _require_ok(fetched: Fetched, origin: str) -> None:
@@ -252,9 +253,8 @@ def _outcome(status: int) -> str:
 def _describe(exc: BaseException) -> str:
     cause = getattr(exc, "os_error", None)
     if isinstance(cause, OSError) and cause.strerror is None and cause.args:
-        return str(cause)[:300]  # our own refusals (egress policy) say it best
-    text = str(exc) or type(exc).__name__
-    return text[:300]
+        return excerpt(str(cause), 300)  # our own refusals (egress policy) say it best
+    return excerpt(str(exc) or type(exc).__name__, 300)  # aiohttp's may quote the URL
 
 
 async def close_session(session: aiohttp.ClientSession) -> None:
