@@ -1,8 +1,10 @@
 """Air-gap bundles: `export` writes verified packages and module archives from the cache,
 with their SHA256SUMS, signatures and signing keys, into one tar with a manifest of every
-file's sha256; `import` verifies all of it again (manifest, signatures, checksums, h1) before
-anything enters the cache, and refuses the whole bundle on any mismatch. A directory written
-by `terraform providers mirror` imports too (its packages checked against its h1 hashes)."""
+member's size and sha256, signed with the operator's key; `import` checks that signature
+and that the tar holds exactly what the manifest lists, then verifies all of it again
+(signatures, checksums, h1) before anything enters the cache, and refuses the whole bundle
+on any mismatch. A directory written by `terraform providers mirror` imports too (its
+packages checked against its h1 hashes)."""
 
 from __future__ import annotations
 
@@ -10,20 +12,34 @@ import hashlib
 import io
 import json
 import os
-import posixpath
 import re
 import shutil
 import tarfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import diskcache
+import pysequoia
 
 from proxy.archives import ArchiveStore
+from proxy.bundle_manifest import (
+    FORMAT,
+    MANIFEST,
+    SIGNATURE,
+    BundleError,
+    check_members,
+    check_signature,
+    file_entry,
+    members_of,
+    parse_manifest,
+    read_small,
+    stage,
+)
+from proxy.bundle_signing import ManifestSigner
 from proxy.constraints import newest_matching
 from proxy.errors import BadRequest, IntegrityError
 from proxy.hashes import h1_of_zip
@@ -41,14 +57,8 @@ from proxy.signatures import verify_detached
 from proxy.verified_packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
 from proxy.warm_sources import Requirement
 
-FORMAT = 1
 _SUMS_ID = re.compile(r"[0-9a-f]{32}")
-MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
-
-
-class BundleError(Exception):
-    """A bundle that cannot be written, read or trusted."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Counts:
     providers: int
     modules: int
     unmatched: tuple[str, ...] = ()
+    signed_by: str = ""  # fingerprint of the key that signed (export) or verified (import)
 
 
 def _sha256(path: Path) -> str:
@@ -111,8 +122,10 @@ def _selected(requirements: list[Requirement] | None, address: object, version: 
 
 
 def export_bundle(config: Config, output: Path,
-                  requirements: list[Requirement] | None = None) -> Counts:
-    """Write the cache (or what requirements select from it) as a tar bundle."""
+                  requirements: list[Requirement] | None = None,
+                  signer: ManifestSigner | None = None) -> Counts:
+    """Write the cache (or what requirements select from it) as a tar bundle, its manifest
+    signed by signer (None: unsigned)."""
     store = ArchiveStore(config.cache.dir)
     index = _index(config)
     try:
@@ -128,16 +141,21 @@ def export_bundle(config: Config, output: Path,
                                     "files": {}}
         temp = output.with_name(output.name + ".part")
         with tarfile.open(temp, "w") as tar:
+            def add_data(member: str, data: bytes) -> None:
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
             def add(member: str, path: Path | None = None, data: bytes | None = None) -> None:
                 if path is not None:
-                    manifest["files"][member] = _sha256(path)
+                    manifest["files"][member] = file_entry(path.stat().st_size,
+                                                           _sha256(path))
                     tar.add(str(path), arcname=member, recursive=False)
                 else:
                     assert data is not None
-                    manifest["files"][member] = hashlib.sha256(data).hexdigest()
-                    info = tarfile.TarInfo(member)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+                    manifest["files"][member] = file_entry(
+                        len(data), hashlib.sha256(data).hexdigest())
+                    add_data(member, data)
 
             for provider, version, platform, record, path in packages:
                 if not _selected(requirements, provider, version, held):
@@ -170,7 +188,11 @@ def export_bundle(config: Config, output: Path,
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
                     "archive": member})
-            add(MANIFEST, data=json.dumps(manifest, indent=1).encode())
+            # The signature covers these exact bytes, and through them every member.
+            manifest_bytes = json.dumps(manifest, indent=1).encode()
+            add_data(MANIFEST, manifest_bytes)
+            if signer is not None:
+                add_data(SIGNATURE, signer.sign(manifest_bytes))
         os.replace(temp, output)
         exported = {f"{e['hostname']}/{e['namespace']}/{e['type']}"
                     for e in manifest["providers"]} | {
@@ -178,7 +200,8 @@ def export_bundle(config: Config, output: Path,
             for e in manifest["modules"]}
         unmatched = tuple(f"{r.address} {r.constraint}".strip() for r in requirements or []
                           if str(r.address) not in exported)
-        return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched)
+        return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched,
+                      signer.fingerprint if signer is not None else "")
     except OSError as exc:
         raise BundleError(f"cannot write {output}: {exc}") from None
     finally:
@@ -187,70 +210,6 @@ def export_bundle(config: Config, output: Path,
 
 
 # --- import ----------------------------------------------------------------------------
-
-def _safe_member(name: str) -> str:
-    normalized = posixpath.normpath(name)
-    if name.startswith("/") or normalized.startswith("..") or "\\" in name or "\0" in name:
-        raise BundleError(f"unsafe member name {name[:200]!r}")
-    return normalized
-
-
-def _stage(bundle: Path, staging: Path,
-           max_member: int) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Copy every member out (never tar.extractall), checking each against the manifest."""
-    try:
-        return _stage_members(bundle, staging, max_member)
-    except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
-        raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
-
-
-def _stage_members(bundle: Path, staging: Path,
-                   max_member: int) -> tuple[dict[str, Any], dict[str, Path]]:
-    try:
-        tar = tarfile.open(bundle, "r")
-    except (OSError, tarfile.TarError) as exc:
-        raise BundleError(f"not a readable tar bundle: {exc}") from None
-    with tar:
-        names = {_safe_member(m.name): m for m in tar.getmembers() if m.isfile()}
-        try:
-            raw = tar.extractfile(names[MANIFEST])  # also as "./manifest.json" (repacked)
-            manifest = json.load(raw) if raw is not None else None
-        except (KeyError, ValueError):
-            manifest = None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise BundleError(f"{MANIFEST} is missing or not a bundle manifest")
-        expected = manifest.get("files", {})
-        if not isinstance(expected, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in expected.items()):
-            raise BundleError(f"{MANIFEST}: files is not a table of sha256 digests")
-        staged: dict[str, Path] = {}
-        for member in tar.getmembers():
-            if member.isdir():
-                continue  # repacked bundles may carry directory entries
-            name = _safe_member(member.name)
-            if name == MANIFEST:
-                continue
-            if not member.isfile() or name not in expected:
-                raise BundleError(f"{name}: not listed in the manifest")
-            if member.size > max_member:
-                raise BundleError(f"{name}: {member.size} bytes, over the {max_member}-byte "
-                                  "limit (upstream.max_archive_size)")
-            target = staging / hashlib.sha256(name.encode()).hexdigest()
-            source = tar.extractfile(member)
-            assert source is not None
-            digest = hashlib.sha256()
-            with open(target, "wb") as handle:
-                while chunk := source.read(_CHUNK):
-                    digest.update(chunk)
-                    handle.write(chunk)
-            if digest.hexdigest() != expected[name]:
-                raise BundleError(f"{name}: sha256 does not match the manifest")
-            staged[name] = target
-        missing = set(expected) - set(staged) - {MANIFEST}
-        if missing:
-            raise BundleError(f"{sorted(missing)[0]}: listed in the manifest but missing")
-    return manifest, staged
-
 
 def _verify_provider(entry: dict[str, Any], staged: dict[str, Path],
                      trusted_keys: list[str] | None) -> VerifiedPackage:
@@ -281,19 +240,20 @@ def _check_provider(entry: dict[str, Any], staged: dict[str, Path],
                      document.get("os"), document.get("arch")) != (
             entry["filename"], entry["shasum"], platform.os, platform.arch):
         raise BundleError(f"{name}: the download document does not describe this package")
-    bundle_keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
+    carried_keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
         "gpg_public_keys", []) if isinstance(k, dict) and "ascii_armor" in k]
-    # Keys carried in the bundle prove nothing by themselves: a tampered bundle can carry its
-    # own. Signatures must verify with keys trusted from outside the bundle.
-    keys = bundle_keys if trusted_keys is None else trusted_keys
     sums = staged[entry["sums"]].read_bytes()
     signature = staged[entry["signature"]].read_bytes()
-    if keys or provider.hostname not in UNSIGNED_ALLOWED_HOSTS or trusted_keys is not None:
+    # The registry's signature must verify with the keys the exporter fetched with the
+    # package, as for a live fill: the bundle's own signature vouches for those keys.
+    checks = [(carried_keys, "the keys in the bundle")] if carried_keys \
+        or provider.hostname not in UNSIGNED_ALLOWED_HOSTS else []
+    if trusted_keys is not None:  # the operator's extra check: these keys must agree
+        checks.append((trusted_keys, "any of the --trusted-keys"))
+    for keys, which in checks:
         try:
             verify_detached(sums, signature, keys)
         except IntegrityError as exc:
-            which = "any of the trusted keys" if trusted_keys is not None \
-                else "the keys in the bundle"
             raise BundleError(f"{entry['signature']}: the signature does not verify with "
                               f"{which} ({exc.message})") from None
     if parse_sha256sums(sums).get(entry["filename"]) != entry["shasum"]:
@@ -311,25 +271,49 @@ def _check_provider(entry: dict[str, Any], staged: dict[str, Path],
                            entry["sums_id"], document or None)
 
 
-def import_bundle(config: Config, bundle: Path,
+def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.Cert] | None,
                   trusted_keys: list[str] | None = None) -> Counts:
     """Verify everything in the bundle, then add it to the cache (all or nothing).
 
-    trusted_keys: armored OpenPGP keys that provider signatures must verify with. None
-    means the keys the bundle itself carries (only sensible when the bundle's own integrity
-    is ensured some other way; the CLI asks for it explicitly)."""
+    bundle_keys: the exporters' public keys; the manifest signature must verify with one of
+    them, and then the registry keys the bundle carries are trusted for provider signatures.
+    None: nothing checks the bundle's origin (the operator vouches for the path it came
+    over). trusted_keys: armored OpenPGP keys that provider signatures must also verify
+    with."""
+    try:
+        tar = tarfile.open(bundle, "r")
+    except (OSError, tarfile.TarError) as exc:
+        raise BundleError(f"not a readable tar bundle: {exc}") from None
+    try:
+        with tar:
+            return _import_from(config, tar, bundle_keys, trusted_keys)
+    except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
+        raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
+
+
+def _import_from(config: Config, tar: tarfile.TarFile,
+                 bundle_keys: Sequence[pysequoia.Cert] | None,
+                 trusted_keys: list[str] | None) -> Counts:
+    members = members_of(tar)
+    manifest_bytes = read_small(tar, members, MANIFEST)
+    # Origin first, then the manifest's promises about the tar's members: nothing is
+    # parsed further, copied or written before both hold.
+    signed_by = "" if bundle_keys is None else check_signature(manifest_bytes, tar, members,
+                                                               bundle_keys)
+    manifest, listed = parse_manifest(manifest_bytes)
+    check_members(listed, members, max(config.upstream.max_archive_size,
+                                        config.modules.max_archive_size))
+    providers, module_entries = manifest.get("providers"), manifest.get("modules")
+    versions = manifest.get("versions", {})
+    if not isinstance(providers, list) or not isinstance(module_entries, list) \
+            or not isinstance(versions, dict):
+        raise BundleError(f"{MANIFEST} is malformed")
     store = ArchiveStore(config.cache.dir)
     staging = store.tmp / "import"
     staging.mkdir()
-    index = _index(config)
+    index = None
     try:
-        manifest, staged = _stage(bundle, staging, max(config.upstream.max_archive_size,
-                                                       config.modules.max_archive_size))
-        providers, module_entries = manifest.get("providers"), manifest.get("modules")
-        versions = manifest.get("versions", {})
-        if not isinstance(providers, list) or not isinstance(module_entries, list) \
-                or not isinstance(versions, dict):
-            raise BundleError(f"{MANIFEST} is malformed")
+        staged = stage(tar, members, listed, staging)
         verified = [(entry, _verify_provider(entry, staged, trusted_keys))
                     for entry in providers]
         modules = [(_module_of(entry, staged), entry) for entry in module_entries]
@@ -340,6 +324,7 @@ def import_bundle(config: Config, bundle: Path,
             if address not in imported or not isinstance(entries, list) \
                     or not all(_valid_version_entry(v) for v in entries):
                 raise BundleError(f"{MANIFEST}: invalid version list for {address[:100]!r}")
+        index = _index(config)
         changes = _planned_changes(index, store, staged, verified, modules)
         # Everything verified: now, and only now, the cache changes; files first, then the
         # index records that vouch for them.
@@ -357,10 +342,11 @@ def import_bundle(config: Config, bundle: Path,
             _merge_list(index, f"versions/{address}", entries, lambda v: v["version"])
         for module, entry in modules:
             _merge_list(index, f"module-versions/{module}", [entry["version"]], str)
-        return Counts(len(verified), len(modules))
+        return Counts(len(verified), len(modules), signed_by=signed_by)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        index.close()
+        if index is not None:
+            index.close()
         store.close()
 
 

