@@ -27,6 +27,7 @@ from proxy.middleware import error_middleware
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.provider_registry_service import ProviderRegistryService
+from proxy.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.git import combined_ca_bundle
@@ -76,7 +77,8 @@ def create_app(config: Config) -> web.Application:
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca)
         if config.auth.enabled:
-            key = await asyncio.to_thread(load_signing_key, cache_dir / "tls" / "url-signing.key")
+            key = await asyncio.to_thread(load_signing_key,
+                                          StatePaths(config.server.state_dir).signing_key)
             app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
         app[ARCHIVES_KEY] = archives
         app[MIRROR_KEY] = mirror
