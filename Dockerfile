@@ -6,7 +6,8 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-# Runtime stage: no compilers, no build files, a non-root user, the cache on a volume.
+# Runtime stage: no compilers, no build files, a non-root user, the cache and the state (the
+# generated CA clients trust, the URL-signing key) on volumes.
 FROM python:3.11-slim
 # git clones module sources that registries point at (git::https://...).
 RUN apt-get update \
@@ -21,12 +22,12 @@ RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels
 COPY config.example.toml /etc/tf-registry-proxy/config.example.toml
 # The image's defaults live in a config file, not in environment overrides, so that a config
 # mounted over /etc/tf-registry-proxy/config.toml is obeyed as written.
-RUN printf '[server]\nlisten = "[::]:8443"\n\n[cache]\ndir = "/var/cache/tf-registry-proxy"\n' \
+RUN printf '[server]\nlisten = "[::]:8443"\nstate_dir = "/var/lib/tf-registry-proxy"\n\n[cache]\ndir = "/var/cache/tf-registry-proxy"\n' \
         > /etc/tf-registry-proxy/config.toml
 ENV TF_REGISTRY_PROXY_CONFIG=/etc/tf-registry-proxy/config.toml \
     PYTHONUNBUFFERED=1
 USER tfproxy
-VOLUME ["/var/cache/tf-registry-proxy"]
+VOLUME ["/var/cache/tf-registry-proxy", "/var/lib/tf-registry-proxy"]
 EXPOSE 8443
 # Liveness: /healthz on the port the config names (over loopback).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=20s --retries=3 \

@@ -28,6 +28,7 @@ from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.provider_registry_service import ProviderRegistryService
 from proxy.responses import remember_prepared
+from proxy.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.egress_gate import EgressGate
@@ -80,7 +81,8 @@ def create_app(config: Config) -> web.Application:
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca, git_gate)
         if config.auth.enabled:
-            key = await asyncio.to_thread(load_signing_key, cache_dir / "tls" / "url-signing.key")
+            key = await asyncio.to_thread(load_signing_key,
+                                          StatePaths(config.server.state_dir).signing_key)
             app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
         app[ARCHIVES_KEY] = archives
         app[MIRROR_KEY] = mirror

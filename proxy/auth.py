@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from aiohttp import web
@@ -20,22 +21,42 @@ from proxy.url_signing import EXPIRES, SIGNATURE, UrlSigner
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
+_KEY_BYTES = 32
 
 
 def load_signing_key(path: Path) -> bytes:
     """The URL signing key, created (0600) on first use; kept so that URLs handed out stay
-    valid across restarts and across processes sharing the cache."""
+    valid across restarts and are valid in every process sharing the state directory."""
     try:
-        return path.read_bytes()
+        return _read_signing_key(path)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_bytes(32)
-        temp = path.with_suffix(".tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        pass
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Several processes (workers) may get here at once. Each writes a whole key to its own
+    # temp file and links it to the final name, which only the first one can do; everyone
+    # then reads the key that won, and no reader ever sees half a key.
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(key)
-        os.replace(temp, path)
-        return key
+            handle.write(secrets.token_bytes(_KEY_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(temp)
+    return _read_signing_key(path)
+
+
+def _read_signing_key(path: Path) -> bytes:
+    key = path.read_bytes()
+    if len(key) < _KEY_BYTES:
+        raise ValueError(f"{path} holds {len(key)} bytes, not a {_KEY_BYTES}-byte URL signing "
+                         "key: delete it to have a new one created (URLs signed with the old "
+                         "one stop working)")
+    return key
 
 
 def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:

@@ -1,5 +1,5 @@
-"""Command line: `serve`, `client-config`, `healthcheck`, and the air-gap commands `warm`,
-`export`, `import` and `keygen`."""
+"""Command line: `serve`, `client-config`, `healthcheck`, `tls`, and the air-gap commands
+`warm`, `export`, `import` and `keygen`."""
 
 from __future__ import annotations
 
@@ -39,9 +39,19 @@ from proxy.bundle_signing import (
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.errors import BadRequest
+from proxy.handlers import METRICS_KEY
 from proxy.models import Platform
 from proxy.redaction import install_log_masking, mask_secrets
-from proxy.tls import ensure_certificate, ssl_context
+from proxy.state import StatePaths, adopt_legacy_state
+from proxy.tls import (
+    TlsStateError,
+    describe,
+    ensure_certificate,
+    generated_ca_path,
+    rotate_ca,
+    ssl_context,
+)
+from proxy.tls_server import HandshakeFailures, TlsSite
 from proxy.warm import summary as warm_summary
 from proxy.warm import warm, warm_cache
 from proxy.warm_sources import SourceError, read_sources
@@ -78,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("import", "verify a bundle (or a `terraform providers mirror` "
                                   "directory) and add it to the cache"),
                        ("keygen", "write a key pair that signs bundles (export "
-                                  "--signing-key) and verifies them (import --bundle-key)")):
+                                  "--signing-key) and verifies them (import --bundle-key)"),
+                       ("tls", "show the generated CA, or replace it (rotate)")):
         command = commands.add_parser(name, help=text, description=text,
                                       epilog=_EPILOGS.get(name))
         if name != "keygen":
@@ -137,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
                                  help=f"where to write {SECRET_KEY_FILE} (keep it on the "
                                       f"exporting side) and {PUBLIC_KEY_FILE} (for importers)"
                                       "; existing files are never overwritten")
+        if name == "tls":
+            command.add_argument(
+                "action", choices=("show", "rotate"),
+                help="show: the CA's path, names and expiry; rotate: replace the CA (every "
+                     "client must then trust the new one)")
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",
@@ -158,9 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  - {mask_secrets(problem)}", file=sys.stderr)
         return 2
     if args.command == "client-config":
-        generated_ca = None if config.server.tls_cert else config.cache.dir / "tls" / "ca.pem"
-        sys.stdout.write(render_client_config(config, generated_ca, args.mode))
+        sys.stdout.write(render_client_config(config, generated_ca_path(config.server),
+                                              args.mode))
         return 0
+    if args.command == "tls":
+        return _tls(config, args.action)
     if args.command == "healthcheck":
         return _healthcheck(config)
     if args.command == "warm":
@@ -296,20 +314,47 @@ def configure_logging(level: int | str, line_format: str) -> None:
     install_log_masking()
 
 
+def _tls(config: Config, action: str) -> int:
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
+    server = config.server
+    if server.tls_cert is not None:
+        return _fail(f"the proxy serves with server.tls_cert {server.tls_cert}, not a "
+                     "generated CA: renew that certificate where it was issued")
+    try:
+        adopt_legacy_state(config.cache.dir, StatePaths(server.state_dir))
+        if action == "rotate":
+            ca = rotate_ca(server)
+            print(f"created a new CA: {ca}\nRestart the proxy to serve with it, and make every "
+                  f"client trust {ca} (SSL_CERT_FILE) instead of the old CA.")
+            return 0
+        ca = StatePaths(server.state_dir).ca_cert
+        if not ca.exists():
+            return _fail(f"no CA yet: `serve` creates one at {ca} on first start")
+        sys.stdout.write(describe(server))
+    except (OSError, ValueError) as exc:
+        return _fail(f"generated certificate under {server.state_dir}: {exc}")
+    return 0
+
+
 def _serve(config: Config) -> int:
     configure_logging(config.server.log_level.upper(),
                       "%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = config.server
+    for key, directory in (("cache.dir", config.cache.dir), ("server.state_dir",
+                                                             server.state_dir)):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _fail(f"{key} {directory}: {exc.strerror}")
     try:
-        config.cache.dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return _fail(f"cache.dir {config.cache.dir}: {exc.strerror}")
-    try:
-        certificate = ensure_certificate(server, config.cache.dir)
+        adopt_legacy_state(config.cache.dir, StatePaths(server.state_dir))
+        certificate = ensure_certificate(server)
         context = ssl_context(certificate)
+    except TlsStateError as exc:
+        return _fail(str(exc))
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         where = (f"server.tls_cert {server.tls_cert} / server.tls_key {server.tls_key}"
-                 if server.tls_cert else f"generated certificate under {config.cache.dir}/tls")
+                 if server.tls_cert else f"generated certificate under {server.state_dir}/tls")
         return _fail(f"cannot load the serving certificate ({where}): {exc}")
     if server.workers > 1:
         return _serve_workers(config, certificate.ca)
@@ -366,7 +411,7 @@ def _serve_workers(config: Config, generated_ca: Path | None) -> int:
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
     configure_logging(config.server.log_level.upper(),
                       f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
-    certificate = ensure_certificate(config.server, config.cache.dir)
+    certificate = ensure_certificate(config.server)
     raise SystemExit(_run_loop(_run(config, ssl_context(certificate), generated_ca,
                                     reuse_port=True, announce=index == 0),
                                config.server.event_loop))
@@ -381,12 +426,15 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     runner = web.AppRunner(create_app(config), handle_signals=False, access_log=access_logger,
                            access_log_class=access_class)
     await runner.setup()
+    trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
+                  else "clients must trust the CA that issued server.tls_cert")
+    failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)
     # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
     try:
         for host in hosts:
-            await web.TCPSite(runner, host, server.port, ssl_context=context,
-                              reuse_port=reuse_port or None).start()
+            await TlsSite(runner, host, server.port, context, failures,
+                          reuse_port=reuse_port or None).start()
     except OSError as exc:
         await runner.cleanup()
         return _fail(f"server.listen: cannot listen on {server.host}:{server.port}: "

@@ -31,13 +31,14 @@ from proxy.settings import (
     UpstreamConfig,
     UpstreamHostConfig,
     default_cache_dir,
+    default_state_dir,
     parse_size,
 )
 
 __all__ = ["CONFIG_ENV", "DEFAULT_ALLOWED_HOSTS", "KNOWN_SERVICES", "CacheConfig", "Config",
            "ConfigError", "FiltersConfig", "ModulesConfig", "Secret", "ServerConfig",
-           "UpstreamConfig", "UpstreamHostConfig", "default_cache_dir", "load_config",
-           "parse_size"]
+           "UpstreamConfig", "UpstreamHostConfig", "default_cache_dir", "default_state_dir",
+           "load_config", "parse_size"]
 
 
 def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:

@@ -25,6 +25,7 @@ from proxy.settings import (
     UpstreamConfig,
     UpstreamHostConfig,
     default_cache_dir,
+    default_state_dir,
     parse_size,
 )
 
@@ -52,6 +53,10 @@ class _Parser:
             max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
         cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
                             or default_cache_dir(), max_size=max_size)
+        if server.state_dir.resolve().is_relative_to(cache.dir.resolve()):
+            self.problems.append(f"server.state_dir: {str(server.state_dir)!r} is inside "
+                                 f"cache.dir {str(cache.dir)!r}; keep it apart (clearing the "
+                                 "cache would delete the CA that clients trust)")
         upstream = self._upstream(self._table(self.raw, "upstream"))
         modules = self._modules(self._table(self.raw, "modules"), upstream)
         filters = self._filters(self._table(self.raw, "filters"))
@@ -164,9 +169,11 @@ class _Parser:
             self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
                                  f"{event_loop!r}")
             event_loop = "uvloop"
+        state_dir = self._path("server.state_dir", table, "state_dir") or default_state_dir()
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
-                            access_log=access_log, workers=workers, event_loop=event_loop)
+                            access_log=access_log, workers=workers, event_loop=event_loop,
+                            state_dir=state_dir)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",

@@ -51,6 +51,10 @@ class Metrics:
         self.cache_bytes = Gauge(
             "tfproxy_cache_size_bytes", "Bytes of packages and modules in the cache.",
             registry=self.registry)
+        self.tls_handshake_failures = Counter(
+            "tfproxy_tls_handshake_failures", "Failed client TLS handshakes by kind "
+            "(untrusted_certificate, plain_http, protocol_mismatch, other).", ["reason"],
+            registry=self.registry)
         self.fills_in_flight = Gauge(
             "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
 

@@ -33,6 +33,13 @@ def default_cache_dir() -> Path:
     return Path(base) / "tf-registry-proxy"
 
 
+def default_state_dir() -> Path:
+    """A per-user state directory (XDG_STATE_HOME honored): kept apart from the cache, which
+    may be deleted at any time."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tf-registry-proxy"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the proxy listens and how clients reach it."""
@@ -46,6 +53,9 @@ class ServerConfig:
     access_log: str = "plain"  # "plain", "json" or "off"
     workers: int = 1  # processes serving one port (SO_REUSEPORT), sharing the cache
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
+    # The generated CA, the server certificate and the URL-signing key: state that clients
+    # depend on, so never under cache.dir.
+    state_dir: Path = field(default_factory=default_state_dir)
 
     @property
     def base_url(self) -> str:
@@ -188,7 +198,7 @@ class Config:
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
-               "workers", "event_loop"),
+               "workers", "event_loop", "state_dir"),
     "cache": ("dir", "max_size"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

@@ -157,6 +157,7 @@ def write_config(tmp_path: Path, registry: FakeRegistry,
             f"""
 [server]
 listen = "127.0.0.1:{port or 8443}"
+state_dir = "{tmp_path / 'state'}"
 
 [cache]
 dir = "{cache_dir or tmp_path / 'cache'}"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -10,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
+from proxy.auth import load_signing_key
 from proxy.config import ConfigError, load_config
 from proxy.url_signing import UrlSigner
 from tests.support.fake_registry import FakeRegistry
@@ -89,3 +92,33 @@ async def test_module_location_is_signed(client: TestClient) -> None:
     assert "sig=" in location.query and location.path.endswith(".tar.gz")
     assert (await client.get(f"{location.path}?{location.query}")).status == 200
     assert (await client.get(location.path)).status == 401
+
+
+def load_all_at_once(path: Path, loaders: int) -> list[bytes]:
+    """load_signing_key(path) from several threads released together."""
+    start = threading.Barrier(loaders)
+
+    def load(_: int) -> bytes:
+        start.wait()
+        return load_signing_key(path)
+
+    with ThreadPoolExecutor(max_workers=loaders) as pool:
+        return list(pool.map(load, range(loaders)))
+
+
+def test_concurrent_first_starts_share_one_signing_key(tmp_path: Path) -> None:
+    """Workers starting together on a fresh state directory: no crash, one key for all."""
+    for attempt in range(10):
+        path = tmp_path / f"state-{attempt}" / "url-signing.key"
+        keys = load_all_at_once(path, 16)
+        assert len(set(keys)) == 1 and len(keys[0]) == 32
+        assert path.read_bytes() == keys[0]
+        assert path.stat().st_mode & 0o077 == 0
+        assert sorted(p.name for p in path.parent.iterdir()) == ["url-signing.key"]
+
+
+def test_a_truncated_signing_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "url-signing.key"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="holds 0 bytes"):
+        load_signing_key(path)

@@ -7,8 +7,11 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.client_config import render_client_config
 from proxy.config import load_config
-from proxy.tls import ensure_certificate
+from proxy.tls import TlsStateError, ensure_certificate
 from tests.support.proxy_process import free_port
 
 
@@ -29,7 +32,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
 
 
 def test_client_config_prints_mirror_and_module_host_blocks(tmp_path: Path) -> None:
-    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path)}
     result = run_cli("client-config", env=env)
     assert result.returncode == 0, result.stderr
     assert 'url = "https://127.0.0.1:8443/mirror/"' in result.stdout
@@ -83,7 +86,7 @@ def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> 
            "TF_REGISTRY_PROXY_SERVER_LISTEN": f"127.0.0.1:{port}"}
     process = subprocess.Popen([sys.executable, "-m", "proxy", "serve"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ca = tmp_path / "xdg/tf-registry-proxy/tls/ca.pem"
+    ca = tmp_path / ".local/state/tf-registry-proxy/tls/ca.pem"  # state, not cache
     try:
         status = None
         for _ in range(100):
@@ -107,10 +110,11 @@ def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> 
 
 def test_generated_certificate_covers_names_and_is_reused(tmp_path: Path) -> None:
     config_file = tmp_path / "c.toml"
-    config_file.write_text('[server]\nlisten = "0.0.0.0:8443"\n'
+    state = f'state_dir = "{tmp_path}"\n'
+    config_file.write_text('[server]\nlisten = "0.0.0.0:8443"\n' + state +
                            'public_url = "https://mirror.corp.example:8443/"\n')
     config = load_config(config_file, environ={})
-    first = ensure_certificate(config.server, tmp_path)
+    first = ensure_certificate(config.server)
     assert first.ca is not None
     cert = x509.load_pem_x509_certificate(first.cert.read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -119,11 +123,11 @@ def test_generated_certificate_covers_names_and_is_reused(tmp_path: Path) -> Non
     ca_bytes, cert_bytes = first.ca.read_bytes(), first.cert.read_bytes()
     assert (first.cert.parent / "ca-key.pem").stat().st_mode & 0o077 == 0
 
-    again = ensure_certificate(config.server, tmp_path)
+    again = ensure_certificate(config.server)
     assert again.cert.read_bytes() == cert_bytes  # unchanged names: nothing regenerated
 
-    # The CA may vouch only for the proxy's names (name constraints), so a new name means a
-    # new CA, while dropping a name keeps it (clients keep trusting).
+    # The CA may vouch only for the proxy's names (name constraints); dropping a name keeps
+    # it (clients keep trusting) and re-issues only the server certificate.
     ca = x509.load_pem_x509_certificate(ca_bytes)
     constraints = ca.extensions.get_extension_for_class(x509.NameConstraints)
     assert constraints.critical
@@ -131,19 +135,25 @@ def test_generated_certificate_covers_names_and_is_reused(tmp_path: Path) -> Non
     assert x509.DNSName("mirror.corp.example") in permitted
     assert not any(isinstance(n, x509.DNSName) and n.value == "example.com" for n in permitted)
 
-    config_file.write_text('[server]\nlisten = "127.0.0.1:8443"\n')
-    fewer = ensure_certificate(load_config(config_file, environ={}).server, tmp_path)
+    config_file.write_text('[server]\nlisten = "127.0.0.1:8443"\n' + state)
+    fewer = ensure_certificate(load_config(config_file, environ={}).server)
     assert fewer.ca is not None and fewer.ca.read_bytes() == ca_bytes
     assert fewer.cert.read_bytes() != cert_bytes
+    sans = x509.load_pem_x509_certificate(fewer.cert.read_bytes()).extensions \
+        .get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "mirror.corp.example" not in sans.get_values_for_type(x509.DNSName)
 
-    config_file.write_text('[server]\npublic_url = "https://other.example/"\n')
-    moved = ensure_certificate(load_config(config_file, environ={}).server, tmp_path)
-    assert moved.ca is not None and moved.ca.read_bytes() != ca_bytes
+    # A name outside the CA: refused, never a silently replaced CA (clients trust it).
+    config_file.write_text('[server]\npublic_url = "https://other.example/"\n' + state)
+    with pytest.raises(TlsStateError, match=r"server\.public_url names other\.example"):
+        ensure_certificate(load_config(config_file, environ={}).server)
+    assert fewer.ca.read_bytes() == ca_bytes
 
 
 def test_generated_ca_cannot_vouch_for_other_names(tmp_path: Path) -> None:
     """A certificate for a foreign name, signed with the generated CA's key, is refused."""
-    generated = ensure_certificate(load_config(None, environ={}).server, tmp_path)
+    server = replace(load_config(None, environ={}).server, state_dir=tmp_path)
+    generated = ensure_certificate(server)
     assert generated.ca is not None
     ca = x509.load_pem_x509_certificate(generated.ca.read_bytes())
     ca_key = serialization.load_pem_private_key((tmp_path / "tls/ca-key.pem").read_bytes(), None)
@@ -173,6 +183,45 @@ def test_generated_ca_cannot_vouch_for_other_names(tmp_path: Path) -> None:
         verify(signed("bank.example"), "bank.example")
 
 
+def test_concurrent_first_starts_create_one_ca(tmp_path: Path) -> None:
+    """Workers (or instances) starting together on a fresh state directory share one CA."""
+    server = replace(load_config(None, environ={}).server, state_dir=tmp_path / "state")
+    start = threading.Barrier(8)
+
+    def ensure(_: int) -> bytes:
+        start.wait()
+        ca = ensure_certificate(server).ca
+        assert ca is not None
+        return ca.read_bytes()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert len(set(pool.map(ensure, range(8)))) == 1
+
+
+def test_tls_command_explains_what_it_cannot_do(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path)}
+    shown = run_cli("tls", "show", env=env)
+    assert shown.returncode == 2
+    assert f"no CA yet: `serve` creates one at {tmp_path}/tf-registry-proxy/tls/ca.pem" \
+        in shown.stderr
+    (tmp_path / "c.pem").write_text("")
+    (tmp_path / "k.pem").write_text("")
+    operator = {**env, "TF_REGISTRY_PROXY_SERVER_TLS_CERT": f"{tmp_path}/c.pem",
+                "TF_REGISTRY_PROXY_SERVER_TLS_KEY": f"{tmp_path}/k.pem"}
+    rotated = run_cli("tls", "rotate", env=operator)
+    assert rotated.returncode == 2 and "not a generated CA" in rotated.stderr
+    assert not (tmp_path / "tf-registry-proxy").exists()
+
+
+def test_state_dir_inside_the_cache_is_refused(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'[server]\nstate_dir = "{tmp_path}/cache/state"\n'
+                           f'[cache]\ndir = "{tmp_path}/cache"\n')
+    result = run_cli("serve", "--config", str(config_file))
+    assert result.returncode == 2
+    assert "server.state_dir" in result.stderr and "inside cache.dir" in result.stderr
+
+
 @pytest.mark.parametrize("module_args", [["-m", "proxy"]])
 def test_console_script_and_module_agree(module_args: list[str]) -> None:
     script = Path(sys.executable).parent / "tf-registry-proxy"
@@ -189,7 +238,8 @@ def test_serve_reports_a_port_in_use_clearly(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_cli("serve", env={"XDG_CACHE_HOME": str(tmp_path),
+        result = run_cli("serve", env={"XDG_CACHE_HOME": str(tmp_path / "cache"),
+                                       "XDG_STATE_HOME": str(tmp_path / "state"),
                                        "TF_REGISTRY_PROXY_SERVER_LISTEN": f"127.0.0.1:{port}"})
     assert result.returncode == 2
     assert f"server.listen: cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, default_cache_dir, load_config, parse_size
+from proxy.config import (
+    ConfigError,
+    default_cache_dir,
+    default_state_dir,
+    load_config,
+    parse_size,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -20,6 +26,7 @@ def test_no_file_means_defaults() -> None:
     assert (config.server.host, config.server.port) == ("127.0.0.1", 8443)
     assert config.server.base_url == "https://127.0.0.1:8443/"
     assert config.cache.dir == default_cache_dir()
+    assert config.server.state_dir == default_state_dir() != config.cache.dir
     assert config.upstream.allowed_hosts == ("registry.terraform.io", "registry.opentofu.org")
     assert config.upstream.ca_bundle is None
     assert config.upstream.hosts == {}
@@ -103,10 +110,12 @@ def test_environment_overrides_and_config_path(tmp_path: Path) -> None:
         "TF_REGISTRY_PROXY_SERVER_LISTEN": "[::1]:9000",
         "TF_REGISTRY_PROXY_CACHE_DIR": str(tmp_path / "elsewhere"),
         "TF_REGISTRY_PROXY_UPSTREAM_DISCOVERY_TTL": "5",
+        "TF_REGISTRY_PROXY_SERVER_STATE_DIR": str(tmp_path / "state"),
     })
     assert (config.server.host, config.server.port) == ("::1", 9000)
     assert config.server.base_url == "https://[::1]:9000/"
     assert config.cache.dir == tmp_path / "elsewhere"
+    assert config.server.state_dir == tmp_path / "state"
     assert config.upstream.discovery_ttl == 5
 
 
@@ -130,7 +139,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "mode", "max_concurrent_fills", "allowed_networks", "internal_zones",
                 "access_log", "token",
                 "providers", "exclude_providers", "modules", "exclude_modules", "platforms",
-                "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop"):
+                "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop",
+                "state_dir"):
         assert f"{key} =" in text, key
 
 

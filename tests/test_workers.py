@@ -4,10 +4,13 @@ clean shutdown."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
+import ssl
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,3 +65,27 @@ def test_a_dead_worker_stops_the_service(tmp_path: Path, write_config: Callable[
         os.kill(int(workers[-1]), signal.SIGKILL)
         assert proxy.process.wait(timeout=20) != 0
     assert "stopping the others" in proxy.log.read_text()
+
+
+def test_workers_on_a_fresh_state_dir_accept_each_others_signed_urls(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    """One URL-signing key for every worker: an archive URL signed by one is valid at all."""
+    port, cache, token = free_port(), tmp_path / "cache", "worker-client-token-0123456789"
+    config = write_config(cache_dir=cache, port=port, extra=f'[auth]\ntokens = ["{token}"]\n')
+    proxy = ProxyProcess(config, cache, port, tmp_path / "proxy.log",
+                         env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+    with proxy:
+        context = ssl.create_default_context(cafile=str(proxy.ca_file))
+        base = f"{proxy.url}mirror/registry.terraform.io/hashicorp/null/"
+        request = urllib.request.Request(f"{base}3.2.1.json",
+                                         headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, context=context, timeout=30) as answer:
+            signed = json.load(answer)["archives"]["linux_amd64"]["url"]
+        assert "sig=" in signed
+        # Each request on a new connection: the kernel spreads them over both workers.
+        for _ in range(12):
+            with urllib.request.urlopen(base + signed, context=context, timeout=30) as answer:
+                assert answer.status == 200
+    served = {line.split()[3] for line in proxy.log.read_text().splitlines()
+              if ".zip?expires=" in line and '" 200 ' in line}
+    assert served == {"w0", "w1"}  # both workers accepted the one signature

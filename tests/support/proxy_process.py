@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import ssl
 import subprocess
@@ -30,27 +31,43 @@ class ProxyProcess:
         self.port = port
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
+        self._ca_file: Path | None = None
+        self._log_start = 0
 
     @property
     def ca_file(self) -> Path:
-        return self.cache_dir / "tls" / "ca.pem"
+        """The CA the proxy tells operators to give clients (its SSL_CERT_FILE= log line)."""
+        if self._ca_file is None:
+            raise RuntimeError(f"the proxy named no CA to trust: {self.log.read_text()[-3000:]}")
+        return self._ca_file
+
+    def _announced_ca(self) -> Path | None:
+        written = self.log.read_bytes()[self._log_start:] if self.log.exists() else b""
+        found = re.findall(r"SSL_CERT_FILE=(\S+)", written.decode(errors="replace"))
+        return Path(found[-1]) if found else None
 
     @property
     def url(self) -> str:
         return f"https://127.0.0.1:{self.port}/"
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """Run another subcommand with the same config."""
+    def cli(self, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run another subcommand with the same config (and environment, plus env)."""
         return subprocess.run([sys.executable, "-m", "proxy", *args, "--config", str(self.config)],
-                              capture_output=True, text=True, timeout=60, env=self._env())
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**self._env(), **(env or {})})
 
     def _env(self) -> dict[str, str]:
-        # PYTHONPATH passes through: the checkout under test, not another install.
+        # PYTHONPATH passes through: the checkout under test, not another install. The
+        # default state directory must not be inside the cache (HOME is the cache here).
         inherited = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.cache_dir),
-                "PYTHONUNBUFFERED": "1", **inherited, **self.extra_env}
+                "XDG_STATE_HOME": f"{self.cache_dir}-state", "PYTHONUNBUFFERED": "1",
+                **inherited, **self.extra_env}
 
     def start(self) -> ProxyProcess:
+        self._log_start = self.log.stat().st_size if self.log.exists() else 0
+        self._ca_file = None
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "proxy", "serve", "--config", str(self.config)],
@@ -59,13 +76,15 @@ class ProxyProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"proxy exited: {self.log.read_text()[-3000:]}")
-            if self.ca_file.exists() and self._healthy():
+            ca_file = self._announced_ca()
+            if ca_file is not None and self._healthy(ca_file):
+                self._ca_file = ca_file
                 return self
             time.sleep(0.1)
         raise RuntimeError(f"proxy did not become healthy: {self.log.read_text()[-3000:]}")
 
-    def _healthy(self) -> bool:
-        context = ssl.create_default_context(cafile=str(self.ca_file))
+    def _healthy(self, ca_file: Path) -> bool:
+        context = ssl.create_default_context(cafile=str(ca_file))
         try:
             with urllib.request.urlopen(f"{self.url}healthz", context=context, timeout=2) as r:
                 return bool(r.status == 200)
