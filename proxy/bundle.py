@@ -51,7 +51,7 @@ from proxy.models import (
     parse_module_version,
     parse_version,
 )
-from proxy.registry_documents import parse_sha256sums
+from proxy.registry_documents import parse_sha256sums, without_upstream_urls
 from proxy.settings import Config
 from proxy.signatures import verify_detached
 from proxy.verified_packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
@@ -164,12 +164,16 @@ def export_bundle(config: Config, output: Path,
                 if not isinstance(sums, dict):
                     continue
                 base = f"providers/{provider}/{version}"
+                # Records of older releases still hold upstream's (maybe presigned) URLs.
+                document = record.get("document")
                 entry = {**record, "hostname": provider.hostname,
                          "namespace": provider.namespace, "type": provider.type,
                          "version": version, "platform": platform.key,
                          "zip": f"{base}/{path.name}",
                          "sums": f"{base}/sums/{record['sums_id']}/SHA256SUMS",
-                         "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig"}
+                         "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig",
+                         "document": without_upstream_urls(document)
+                         if isinstance(document, dict) else None}
                 add(entry["zip"], path=path)
                 if entry["sums"] not in manifest["files"]:
                     add(entry["sums"], data=bytes(sums["sums"]))

@@ -44,6 +44,15 @@ class DownloadInfo:
     document: dict[str, Any] = field(default_factory=dict)  # as published, for passing on
 
 
+UPSTREAM_URL_FIELDS = ("download_url", "shasums_url", "shasums_signature_url")
+
+
+def without_upstream_urls(document: dict[str, Any]) -> dict[str, Any]:
+    """The download document minus upstream's three URLs: they may be presigned (tokens in
+    the query), and whoever passes the document on puts its own URLs there anyway."""
+    return {k: v for k, v in document.items() if k not in UPSTREAM_URL_FIELDS}
+
+
 def parse_versions(document: object) -> list[VersionEntry]:
     """Parse `GET :ns/:type/versions`. Entries with an invalid version are dropped (a client
     rejects a whole list over one bad entry); invalid platforms are dropped from their entry."""

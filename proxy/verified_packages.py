@@ -17,7 +17,13 @@ from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress
-from proxy.registry_documents import DownloadInfo, VersionEntry, parse_sha256sums
+from proxy.redaction import mask_secrets
+from proxy.registry_documents import (
+    DownloadInfo,
+    VersionEntry,
+    parse_sha256sums,
+    without_upstream_urls,
+)
 from proxy.signatures import verify_detached
 from proxy.singleflight import SingleFlight
 from proxy.upstream.provider_registry import ProviderRegistryClient
@@ -135,7 +141,8 @@ class VerifiedPackages:
             raise self.integrity("sha256sums", f"SHA256SUMS lists {listed} for "
                                   f"{info.filename}, the download document {info.shasum}")
         package = VerifiedPackage(filename=info.filename, shasum=info.shasum,
-                                  sums_id=sums_id(info.shasums_url), document=info.document)
+                                  sums_id=sums_id(info.shasums_url),
+                                  document=without_upstream_urls(info.document))
         await self._cache.set(key, asdict(package))
         return package
 
@@ -174,7 +181,7 @@ class VerifiedPackages:
             except IntegrityError as exc:
                 raise self.integrity(exc.kind, f"{provider}: {exc.message}") from None
         await self._cache.set(key, {"sums": sums, "signature": signature,
-                                    "signed_by": signed_by, "url": info.shasums_url})
+                                    "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
 
     def integrity(self, kind: str, message: str) -> IntegrityError:

@@ -666,3 +666,24 @@ def test_an_unsigned_bundle_needs_the_explicit_opt_out(
                   cwd=tmp_path)
     assert allowed.returncode == 0, allowed.stderr
     assert "origin not checked: --allow-unsigned-bundle" in allowed.stdout
+
+
+def test_presigned_upstream_urls_are_neither_stored_nor_exported(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    registry.faults.add("expiring")  # download URLs carry ?token=N, as presigned URLs do
+    listing = _write(tmp_path / "wanted.txt", "hashicorp/null 3.2.1\n")
+    connected = str(write_config(cache_dir=tmp_path / "connected"))
+    warmed = cli("warm", "--config", connected, "--platform", "linux_amd64", str(listing),
+                 cwd=tmp_path)
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    assert registry.url_token > 0 and registry.archive_requests()  # the fault was live
+    stored = [p for p in (tmp_path / "connected").rglob("*") if p.is_file()
+              and b"?token=" in p.read_bytes()]
+    assert stored == []
+    output = tmp_path / "bundle.tar"
+    exported = cli("export", "--config", connected, "--output", str(output), "--unsigned",
+                   cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    members, manifest = read_bundle(output)
+    assert manifest["providers"], manifest
+    assert all(b"?token=" not in data for data in members.values())
