@@ -30,6 +30,7 @@ from proxy.bundle import (
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.errors import BadRequest
+from proxy.http_server import ProxyRunner
 from proxy.models import Platform
 from proxy.redaction import install_log_masking, mask_secrets
 from proxy.tls import ensure_certificate, ssl_context
@@ -297,8 +298,8 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     access_class: type[PlainAccessLogger | JsonAccessLogger] = (
         JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
     access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
-    runner = web.AppRunner(create_app(config), handle_signals=False, access_log=access_logger,
-                           access_log_class=access_class)
+    runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
+                         access_log_class=access_class)
     await runner.setup()
     # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
