@@ -23,7 +23,7 @@ from proxy.handlers import (
     add_routes,
 )
 from proxy.metrics import Metrics
-from proxy.middleware import error_middleware
+from proxy.middleware import SERVER_NAME, error_middleware, json_error_bodies
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
 from proxy.provider_registry_service import ProviderRegistryService
@@ -50,6 +50,7 @@ def create_app(config: Config) -> web.Application:
     app[METRICS_KEY] = metrics
     add_routes(app)
     app.on_response_prepare.append(_server_header)
+    app.on_response_prepare.append(json_error_bodies)
     app.on_response_prepare.append(remember_prepared)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -102,5 +103,4 @@ def create_app(config: Config) -> web.Application:
 
 
 async def _server_header(_request: web.Request, response: web.StreamResponse) -> None:
-    # No library or Python versions in answers.
-    response.headers["Server"] = "tf-registry-proxy"
+    response.headers["Server"] = SERVER_NAME

@@ -16,7 +16,6 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aiohttp import web
 
 from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
@@ -40,6 +39,7 @@ from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
 from proxy.errors import BadRequest
 from proxy.handlers import METRICS_KEY
+from proxy.http_server import ProxyRunner
 from proxy.models import Platform
 from proxy.redaction import install_log_masking, mask_secrets
 from proxy.state import StatePaths, adopt_legacy_state
@@ -423,8 +423,8 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     access_class: type[PlainAccessLogger | JsonAccessLogger] = (
         JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
     access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
-    runner = web.AppRunner(create_app(config), handle_signals=False, access_log=access_logger,
-                           access_log_class=access_class)
+    runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
+                         access_log_class=access_class)
     await runner.setup()
     trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
                   else "clients must trust the CA that issued server.tls_cert")

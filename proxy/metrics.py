@@ -39,6 +39,10 @@ class Metrics:
             "tfproxy_aborted_responses", "Responses cut off after their headers were sent "
             "(connection reset), by route and reason (integrity, upstream, io, internal).",
             ["route", "reason"], registry=self.registry)
+        self.bad_requests = Counter(
+            "tfproxy_bad_requests", "Requests refused by the HTTP parser before any routing "
+            "(method, request_line, url, header, too_long, framing, http2, other).",
+            ["reason"], registry=self.registry)
         self.cache_files = Gauge(
             "tfproxy_cache_files", "Packages and modules in the cache.",
             registry=self.registry)

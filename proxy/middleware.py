@@ -6,7 +6,7 @@ import json
 import logging
 from urllib.parse import unquote
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from proxy.errors import BadRequest, ProxyError
@@ -17,11 +17,31 @@ from proxy.responses import PREPARED_RESPONSE_KEY, abort_after_headers
 log = logging.getLogger(__name__)
 
 
+# What the Server header says: no library or Python versions in answers.
+SERVER_NAME = "tf-registry-proxy"
+
+
 def json_error(status: int, message: str) -> web.Response:
     """The one error shape: `{"errors": ["..."]}`, secrets masked."""
-    return web.Response(status=status,
-                        body=json.dumps({"errors": [mask_secrets(message)]}).encode(),
+    return web.Response(status=status, body=_error_body(message),
                         content_type="application/json")
+
+
+def _error_body(message: str) -> bytes:
+    return json.dumps({"errors": [mask_secrets(message)]}).encode()
+
+
+async def json_error_bodies(_request: web.Request, response: web.StreamResponse) -> None:
+    """An on_response_prepare hook: error answers that aiohttp makes after routing but
+    outside the middleware (417 for an Expect header other than 100-continue) get the JSON
+    shape too."""
+    if (response.status >= 400 and isinstance(response, web.Response)
+            and response.content_type != "application/json"):
+        body = _error_body(response.reason)
+        response.body = body
+        response.content_type = "application/json"
+        # aiohttp has already set Content-Length from the old body when the hooks run.
+        response.headers[hdrs.CONTENT_LENGTH] = str(len(body))
 
 
 MAX_PATH_LENGTH = 2048

@@ -18,6 +18,8 @@ import trustme
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.http_server import ProxyRunner
+
 _T = TypeVar("_T")
 
 
@@ -53,6 +55,11 @@ class Served:
         return await asyncio.to_thread(raw_get, self.host, self.port, path, self.client_tls,
                                        idle, version)
 
+    async def raw_request(self, request: bytes, idle: float = 2.0) -> RawAnswer:
+        """Send request bytes as they are (see `raw_request`)."""
+        return await asyncio.to_thread(raw_request, self.host, self.port, request,
+                                       self.client_tls, idle)
+
     async def text(self, path: str) -> str:
         """GET path with an ordinary client; the body as text."""
         async with aiohttp.ClientSession() as session, \
@@ -68,7 +75,7 @@ async def served(app: web.Application, ca: trustme.CA) -> AsyncIterator[Served]:
     ca.issue_cert("127.0.0.1").configure_cert(server_tls)
     client_tls = ssl.create_default_context()
     ca.configure_trust(client_tls)
-    runner = web.AppRunner(app, handle_signals=False)
+    runner = ProxyRunner(app, handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls)
@@ -85,14 +92,25 @@ def raw_get(host: str, port: int, path: str, tls: ssl.SSLContext | None = None,
     connection or sends nothing more for `idle` seconds (less, once the announced body is
     complete). TLS runs over memory buffers, so a
     reset (RST) is told apart from a close (FIN) as on plain TCP. Blocking: use a thread."""
+    keep_alive = "Connection: keep-alive\r\n" if version == "1.1" else ""
+    return raw_request(host, port, f"GET {path} HTTP/{version}\r\nHost: {host}:{port}\r\n"
+                                   f"{keep_alive}\r\n".encode(), tls, idle)
+
+
+def raw_request(host: str, port: int, request: bytes, tls: ssl.SSLContext | None = None,
+                idle: float = 2.0, then: bytes = b"") -> RawAnswer:
+    """Send request exactly as given (malformed ones too) and read the answer as `raw_get`
+    does; with `then`, send that once the first answer is complete, on the same connection,
+    and read on (the body then holds the second answer too). Blocking: use a thread."""
     received = bytearray()
     ended = "idle"
     with socket.create_connection((host, port), timeout=idle) as sock:
         channel = _Channel(sock, tls, host)
-        keep_alive = "Connection: keep-alive\r\n" if version == "1.1" else ""
-        channel.send(f"GET {path} HTTP/{version}\r\nHost: {host}:{port}\r\n"
-                     f"{keep_alive}\r\n".encode())
+        channel.send(request)
         while True:
+            if then and _complete(received):
+                channel.send(then)
+                then = b""
             try:
                 data = channel.recv()
             except TimeoutError:
@@ -104,7 +122,8 @@ def raw_get(host: str, port: int, path: str, tls: ssl.SSLContext | None = None,
                 ended = "eof"
                 break
             received += data
-            if _complete(received):  # anything more would be garbage: wait a little for it
+            # Once the answer is complete, anything more would be garbage: wait a little for it.
+            if _complete(received) and not then:
                 sock.settimeout(min(idle, 0.2))
     head, separator, body = bytes(received).partition(b"\r\n\r\n")
     assert separator, f"no complete header block in {bytes(received[:200])!r} ({ended})"
