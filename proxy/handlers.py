@@ -174,14 +174,14 @@ async def module_versions(request: web.Request) -> web.Response:
 
 
 async def module_version_file(request: web.Request) -> web.StreamResponse:
-    """`:namespace/:name/:system/:version/download` (fills the cache, then points at our
-    archive) and the archive itself."""
+    """`:namespace/:name/:system/:version/download` (points at our archive as soon as the
+    version is known to exist) and the archive itself (GET and HEAD wait for its fill)."""
     module = _module(request)
     version = parse_module_version(request.match_info["version"])
     action = request.match_info["action"]
     registry = request.app[MODULES_KEY]
     if action == "download":
-        await registry.archive(module, version)
+        await registry.download(module, version)
         archive_path = (f"{MODULES_PREFIX}{module}/{version}/"
                         f"{module.name}-{module.system}-{version}.tar.gz")
         location = public_base(request) + archive_path.lstrip("/")

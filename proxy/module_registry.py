@@ -1,8 +1,10 @@
 """The module registry protocol, served from module archives the proxy fetched and repacked.
 
 https://developer.hashicorp.com/terraform/internals/module-registry-protocol
-Operations: list_versions, archive (fetch the source on a miss: https archive or git clone,
-apply the subdirectory, repack as .tar.gz, store). Clients never see upstream's location.
+Operations: list_versions, download (answered from the version list alone, at once: clients
+give it 10 s), archive (fetch the source on a miss: https archive or git clone, apply the
+subdirectory, repack as .tar.gz, store; the slow part, on a request clients do not time out).
+Clients never see upstream's location.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from proxy.archives import ArchiveStore, FillLock
 from proxy.cache import MetadataCache
 from proxy.config import Config
-from proxy.errors import NotFound
+from proxy.errors import NotFound, Offline, ProxyError
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
@@ -73,8 +75,25 @@ class ModuleRegistry:
         versions = await self._versions(module)
         return {"modules": [{"versions": [{"version": v} for v in versions]}]}
 
+    async def download(self, module: ModuleAddress, version: str) -> None:
+        """The `download` operation: raises unless the archive is held or the version list
+        has the version (offline: held only). Starts fetching the source in the background,
+        so that the archive request finds it under way, but never waits for it: Terraform
+        gives this request 10 s and a clone may take minutes (the archive GET has no limit).
+        """
+        self._require_served(module)
+        if await self._archives.lookup(self._archive_parts(module, version)) is not None:
+            return
+        if self._config.upstream.offline:
+            raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
+                          "offline")
+        if version not in await self._versions(module, wanted=version):
+            raise NotFound(f"module {module} has no version {version}")
+        self._start_fill(module, version)
+
     async def archive(self, module: ModuleAddress, version: str) -> Path:
-        """The repacked module archive, fetched from its source on a miss."""
+        """The repacked module archive, fetched from its source on a miss (waiting for a
+        fetch already under way rather than starting another)."""
         self._require_served(module)
         parts = self._archive_parts(module, version)
         path = await self._archives.lookup(parts)
@@ -82,8 +101,8 @@ class ModuleRegistry:
             self._metrics.cache_lookups.labels("module", "hit").inc()
             return path
         self._metrics.cache_lookups.labels("module", "miss").inc()
-        return await self._archive_fills.run(
-            ("module", str(module), version), lambda: self._fill(module, version))
+        # Shielded: a client that hangs up does not cancel a fill others wait for.
+        return await asyncio.shield(self._start_fill(module, version))
 
     # --- versions ------------------------------------------------------------------------
 
@@ -99,6 +118,23 @@ class ModuleRegistry:
         return ["modules", module.hostname, module.namespace, module.name, module.system,
                 f"{version}.tar.gz"]
 
+    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[Path]:
+        return self._archive_fills.start(("module", str(module), version),
+                                         lambda: self._logged_fill(module, version))
+
+    async def _logged_fill(self, module: ModuleAddress, version: str) -> Path:
+        # Logged here, once per fill: a prefetch may have no client to report a failure to.
+        try:
+            return await self._fill(module, version)
+        except ProxyError as exc:
+            log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
+                    "module %s %s: fetching its source failed: %s", module, version,
+                    exc.message)
+            raise
+        except Exception:
+            log.exception("module %s %s: fetching its source failed", module, version)
+            raise
+
     async def _fill(self, module: ModuleAddress, version: str) -> Path:
         # One fill per module version across the processes sharing the cache.
         async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
@@ -112,11 +148,7 @@ class ModuleRegistry:
         if version not in await self._versions(module, wanted=version):
             raise NotFound(f"module {module} has no version {version}")
         location = await self._client.download_location(module, version)
-        try:
-            source = parse_source(location)
-        except UnsupportedSource as exc:
-            log.error("module %s %s: %s", module, version, exc.message)
-            raise
+        source = parse_source(location)
         log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
         async with self._fill_slots:
             return await self._build(module, source, parts)

@@ -22,14 +22,19 @@ class SingleFlight(Generic[T]):
     def __len__(self) -> int:
         return len(self._running)
 
-    async def run(self, key: Hashable, factory: Callable[[], Awaitable[T]]) -> T:
-        """Join the run for `key`, starting it if none is under way."""
+    def start(self, key: Hashable, factory: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+        """The run for `key`, started if none is under way; the caller need not wait for it
+        (a prefetch), and its failure is not reported to anyone who does not."""
         task = self._running.get(key)
         if task is None:
             task = asyncio.ensure_future(factory())
             self._running[key] = task
             task.add_done_callback(lambda done: self._forget(key, done))
-        return await asyncio.shield(task)
+        return task
+
+    async def run(self, key: Hashable, factory: Callable[[], Awaitable[T]]) -> T:
+        """Join the run for `key`, starting it if none is under way."""
+        return await asyncio.shield(self.start(key, factory))
 
     def _forget(self, key: Hashable, task: asyncio.Task[T]) -> None:
         if self._running.get(key) is task:

@@ -33,14 +33,15 @@ async def test_offline_mode_serves_the_cache_and_never_contacts_upstream(
     online = await make()
     assert (await (await online.get(f"{BASE}/{ZIP}")).read())
     location = (await (await online.get(f"{MODULE}/1.0.0/download")).json())["location"]
+    archive = location.split(":", 2)[2].split("/", 1)[1].join(["/", ""])
+    assert (await online.get(archive)).status == 200  # the archive request fills the cache
     await online.close()
 
     registry.requests.clear()
     offline = await make(upstream_mode="offline", upstream_versions_ttl="0.001")
     await asyncio.sleep(0.01)  # every cached list is past its TTL: still no refresh
     for path in (f"{BASE}/index.json", f"{BASE}/3.2.1.json", f"{BASE}/{ZIP}",
-                 f"{MODULE}/versions", f"{MODULE}/1.0.0/download",
-                 location.split(":", 2)[2].split("/", 1)[1].join(["/", ""])):
+                 f"{MODULE}/versions", f"{MODULE}/1.0.0/download", archive):
         response = await offline.get(path)
         assert response.status == 200, (path, await response.text())
     # Only what is held: 3.1.0 is not, nor are the other platforms of 3.2.1.
@@ -50,6 +51,7 @@ async def test_offline_mode_serves_the_cache_and_never_contacts_upstream(
     for path in (f"{BASE}/3.1.0.json", f"{BASE}/{zip_name('darwin_arm64')}",
                  "/mirror/registry.terraform.io/hashicorp/random/index.json",
                  "/modules/registry.terraform.io/acme/net/aws/versions",
+                 "/modules/registry.terraform.io/acme/net/aws/1.2.0/download",
                  "/mirror/registry.opentofu.org/hashicorp/null/index.json"):
         response = await offline.get(path)
         assert response.status == 404, path

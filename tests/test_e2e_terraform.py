@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import ssl
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,6 +159,35 @@ module "direct" {{
     assert result.retcode == 0, result.output
     assert (again / ".terraform/modules/net/shared/main.tf").exists()
     assert registry.requests == []
+
+
+SLOW_MODULE_ROOT = """
+module "net" {
+  source  = "acme/net/aws"
+  version = "1.2.0"
+}
+"""
+
+
+def test_terraform_init_succeeds_first_time_with_a_module_source_slower_than_its_timeout(
+        tmp_path: Path, proxy: ProxyProcess, registry: FakeRegistry) -> None:
+    # Terraform gives each registry request (the module's `download`) 10 s and one retry
+    # (TF_REGISTRY_CLIENT_TIMEOUT, TF_REGISTRY_DISCOVERY_RETRY; 0 retries means the default).
+    # The limit is shortened to 4 s here so that both attempts end (by about 9 s) well before
+    # the 12 s clone does: otherwise the retry could find the clone done and hide the bug.
+    delay = 12.0
+    registry.slow_paths["/git/net.git/info/refs"] = delay
+    workdir, env = client_setup(tmp_path, proxy, "slow", SLOW_MODULE_ROOT)
+    env["TF_REGISTRY_CLIENT_TIMEOUT"] = "4"
+    started = time.monotonic()
+    result = terraform_init(workdir, env)
+    assert result.retcode == 0, result.output
+    assert time.monotonic() - started >= delay  # the source really was that slow
+    installed = workdir / ".terraform/modules/net"
+    assert b'default = "net"' in (installed / "main.tf").read_bytes()
+    assert (installed / "shared/main.tf").exists()
+    assert registry.paths().count("/git/net.git/info/refs") == 1
+    assert registry.paths().count("/v1/modules/acme/net/aws/1.2.0/download") == 1
 
 
 def test_terraform_through_a_proxy_that_requires_a_token(

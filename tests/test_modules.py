@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import io
 import tarfile
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -17,8 +20,9 @@ from tests.support.fake_registry import FakeRegistry
 
 HOST = "registry.terraform.io"
 NET = f"/modules/{HOST}/acme/net/aws"
-
-
+NET_CLONE = "/git/net.git/info/refs"  # the first request of every clone of net.git
+TARBALL = f"/modules/{HOST}/acme/tarball/aws"
+Make = Callable[..., Awaitable[TestClient]]
 
 
 def tar_members(data: bytes) -> dict[str, bytes | None]:
@@ -76,12 +80,61 @@ async def test_git_source_is_cloned_with_submodules_and_served_from_cache(
     assert registry.requests == []
 
 
-async def test_concurrent_downloads_share_one_clone(client: TestClient,
-                                                    registry: FakeRegistry) -> None:
-    responses = await asyncio.gather(*(client.get(f"{NET}/1.2.0/download") for _ in range(8)))
-    assert {r.status for r in responses} == {200}
-    assert registry.paths().count("/git/net.git/info/refs") == 1
+async def archive_path(client: TestClient, path: str) -> str:
+    """Ask for the download; the path of the archive it names."""
+    response = await client.get(f"{path}/download")
+    assert response.status == 200, await response.text()
+    return urlsplit((await response.json())["location"]).path
+
+
+async def test_download_answers_at_once_while_a_slow_source_arrives(
+        client: TestClient, registry: FakeRegistry) -> None:
+    # Terraform gives the download request 10 s; a clone may take minutes. The answer needs
+    # only the version list; the archive requests wait for the one clone.
+    registry.slow_paths[NET_CLONE] = 3.0
+    started = time.monotonic()
+    answers = await asyncio.gather(*(client.get(f"{NET}/1.2.0/download") for _ in range(4)))
+    assert time.monotonic() - started < 1.0
+    assert {r.status for r in answers} == {200}
+    path = urlsplit((await answers[0].json())["location"]).path
+
+    async def hang_up() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await client.get(path, timeout=aiohttp.ClientTimeout(total=0.5))
+
+    async def fetch() -> tuple[int, bytes]:
+        response = await client.get(path)
+        return response.status, await response.read()
+
+    _, head, *gets = await asyncio.gather(hang_up(), client.head(path),
+                                          *(fetch() for _ in range(4)))
+    assert time.monotonic() - started >= 3.0
+    assert {status for status, _ in gets} == {200}
+    data = gets[0][1]
+    assert all(body == data for _, body in gets)
+    members = tar_members(data)
+    assert b'default = "net"' in (members["main.tf"] or b"")
+    assert members["shared/main.tf"] is not None
+    assert head.status == 200 and int(head.headers["Content-Length"]) == len(data)
+    # One clone for every client, the one that hung up included; a hang-up cancels nothing.
+    assert registry.paths().count(NET_CLONE) == 1
     assert registry.paths().count("/v1/modules/acme/net/aws/1.2.0/download") == 1
+    assert (await client.get(path)).status == 200
+    assert registry.paths().count(NET_CLONE) == 1
+
+
+async def test_a_fill_that_times_out_answers_the_archive_request_with_json_504(
+        make: Make, registry: FakeRegistry) -> None:
+    client = await make(modules_git_timeout="1")
+    registry.slow_paths[NET_CLONE] = 3.0
+    started = time.monotonic()
+    path = await archive_path(client, f"{NET}/1.2.0")
+    assert time.monotonic() - started < 1.0
+    for method in ("HEAD", "GET"):
+        response = await client.request(method, path)
+        assert response.status == 504
+        assert response.content_type == "application/json"
+    assert "timed out" in (await response.json())["errors"][0]
 
 
 async def test_https_tarball_with_glob_subdir_and_json_location(
@@ -97,11 +150,18 @@ async def test_relative_zip_location(client: TestClient, registry: FakeRegistry)
     assert "/archives/zip-2.0.0.zip" in registry.paths()
 
 
-async def test_head_on_module_archive(client: TestClient) -> None:
-    location, data = await download(client, f"/modules/{HOST}/acme/tarball/aws/1.0.0")
-    response = await client.head(urlsplit(location).path)
+async def test_head_on_module_archive_waits_for_its_fill(client: TestClient,
+                                                          registry: FakeRegistry) -> None:
+    # Terraform sends HEAD before GET. A HEAD answered before the archive exists could not
+    # give its length (and go-getter takes "ranges, no length" as "already downloaded").
+    registry.slow_paths["/archives/tarball-1.0.0.tgz"] = 1.0
+    path = await archive_path(client, f"{TARBALL}/1.0.0")
+    response = await client.head(path)
     assert response.status == 200
-    assert int(response.headers["Content-Length"]) == len(data)
+    length = int(response.headers["Content-Length"])
+    data = await (await client.get(path)).read()
+    assert length == len(data) > 0
+    assert registry.paths().count("/archives/tarball-1.0.0.tgz") == 1
 
 
 @pytest.mark.parametrize(("module", "message"), [
@@ -116,7 +176,8 @@ async def test_head_on_module_archive(client: TestClient) -> None:
 async def test_unusable_sources_are_502_and_nothing_is_stored(
         client: TestClient, registry: FakeRegistry, proxy_config: Config,
         module: str, message: str) -> None:
-    response = await client.get(f"/modules/{HOST}/{module}/download")
+    # The version exists, so the download is answered; the archive request tells the truth.
+    response = await client.get(await archive_path(client, f"/modules/{HOST}/{module}"))
     assert response.status == 502
     assert response.content_type == "application/json"
     assert message in (await response.json())["errors"][0]

@@ -63,6 +63,28 @@ async def test_failure_is_shared_then_forgotten() -> None:
     assert await flights.run("k", flaky) == 2
 
 
+async def test_a_started_run_is_joined_by_later_callers() -> None:
+    flights: SingleFlight[int] = SingleFlight()
+    runs = 0
+    gate = asyncio.Event()
+
+    async def work() -> int:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return 7
+
+    started = flights.start("k", work)  # nobody waits for it yet (a prefetch)
+    await asyncio.sleep(0)
+    assert flights.start("k", work) is started
+    joined = asyncio.create_task(flights.run("k", work))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await joined == 7
+    assert runs == 1
+    assert len(flights) == 0
+
+
 async def test_cancel_all() -> None:
     flights: SingleFlight[None] = SingleFlight()
     task = asyncio.create_task(flights.run("k", lambda: asyncio.sleep(60)))

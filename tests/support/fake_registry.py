@@ -2,7 +2,7 @@
 
 Real zips, a real SHA256SUMS and a real detached OpenPGP signature per release; discovery,
 the provider registry protocol and file downloads; a log of every request; and fault switches
-(down, corrupt, badsig, missing platforms) that tests flip to break it on purpose.
+(down, corrupt, badsig, missing platforms, slow paths) that tests flip to break it on purpose.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class FakeRegistry:
         self.download_host: str | None = None  # names download URLs' host when set
         self.authorizations: list[tuple[str, str | None]] = []
         self.module_archives: dict[str, bytes] = {}
+        # Requests whose path starts with a key are answered that many seconds late (a slow
+        # module source: e.g. a git repository's `/info/refs`, the first request of a clone).
+        self.slow_paths: dict[str, float] = {}
         self.git_root = Path(tempfile.mkdtemp(prefix="fake-git-"))
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -155,6 +158,7 @@ class FakeRegistry:
         self.requests.clear()
         self.authorizations.clear()
         self.faults.clear()
+        self.slow_paths.clear()
         self.download_host = None
 
     @property
@@ -210,6 +214,9 @@ class FakeRegistry:
             return web.Response(status=503, text="upstream is down")
         if "stall" in self.faults:
             await asyncio.sleep(5)
+        for prefix, delay in list(self.slow_paths.items()):
+            if request.path.startswith(prefix):
+                await asyncio.sleep(delay)
         response: web.StreamResponse = await handler(request)  # type: ignore[operator]
         if "gzip" in self.faults and isinstance(response, web.Response) and response.body:
             # A hostile or broken CDN: compresses whatever the client asked for.
