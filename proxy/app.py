@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -12,6 +11,7 @@ from proxy.archives import ArchiveStore
 from proxy.auth import SIGNER_KEY, auth_middleware, load_signing_key
 from proxy.cache import MetadataCache
 from proxy.config import Config
+from proxy.executors import quick, serving, slow
 from proxy.filters import Filters
 from proxy.handlers import (
     ARCHIVES_KEY,
@@ -57,10 +57,10 @@ def create_app(config: Config) -> web.Application:
         cache_dir = config.cache.dir
         archives = ArchiveStore(cache_dir, config.cache.max_size,
                                 on_evict=lambda count, size: metrics.evictions.inc(count))
-        swept = await asyncio.to_thread(archives.sweep_temp)
+        swept = await slow(archives.sweep_temp)
         if swept:
             log.info("removed %d unfinished download(s) left by an earlier run", swept)
-        used = await asyncio.to_thread(archives.measure)
+        used = await slow(archives.measure)
         metrics.cache_bytes.set_function(lambda: archives.used_bytes)
         metrics.cache_files.set_function(lambda: archives.file_count)
         metrics.cache_max_bytes.set(config.cache.max_size or 0)
@@ -82,8 +82,8 @@ def create_app(config: Config) -> web.Application:
         modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
                                  config, metrics, git_ca, git_gate)
         if config.auth.enabled:
-            key = await asyncio.to_thread(load_signing_key,
-                                          StatePaths(config.server.state_dir).signing_key)
+            key = await quick(load_signing_key,
+                              StatePaths(config.server.state_dir).signing_key)
             app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
         app[ARCHIVES_KEY] = archives
         app[MIRROR_KEY] = mirror
@@ -98,8 +98,16 @@ def create_app(config: Config) -> web.Application:
             await close_session(session)
             cache.close()
 
+    # Opened first, closed last (cleanup_ctx unwinds in reverse): every resource's blocking
+    # calls run on these pools, where hits never queue behind slow work.
+    app.cleanup_ctx.append(_thread_pools)
     app.cleanup_ctx.append(resources)
     return app
+
+
+async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:
+    async with serving():
+        yield
 
 
 async def _server_header(_request: web.Request, response: web.StreamResponse) -> None:

@@ -26,6 +26,7 @@ import aiofiles
 import aiofiles.os
 
 from proxy.errors import IntegrityError, UpstreamError
+from proxy.executors import quick, quick_soon, slow
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class ArchiveStore:
         now = time.monotonic()
         if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
             self._touched[path] = now
-            asyncio.get_running_loop().run_in_executor(None, _utime_quietly, path)
+            quick_soon(_utime_quietly, path)
 
     # --- publishing and eviction ---------------------------------------------------------
 
@@ -255,7 +256,7 @@ class ArchiveStore:
             size -= (await aiofiles.os.stat(final)).st_size  # replacing an older copy
         except FileNotFoundError:
             self.file_count += 1
-        await asyncio.to_thread(final.parent.mkdir, parents=True, exist_ok=True)
+        await quick(final.parent.mkdir, parents=True, exist_ok=True)
         await aiofiles.os.replace(temp, final)
         self.used_bytes += size
         self._touched[final] = time.monotonic()
@@ -270,8 +271,8 @@ class ArchiveStore:
             return 0
         async with self._evicting:
             target = int(self.max_size * _LOW_WATER)
-            candidates = await asyncio.to_thread(lambda: sorted(self._files(),
-                                                                key=lambda f: f[2]))
+            # A walk over every stored file: slow work, kept away from hits.
+            candidates = await slow(lambda: sorted(self._files(), key=lambda f: f[2]))
             self.used_bytes = sum(size for _p, size, _m in candidates)
             self.file_count = len(candidates)
             removed = 0
@@ -280,7 +281,7 @@ class ArchiveStore:
                     break
                 if path == keep or path in self._in_use:
                     continue
-                await asyncio.to_thread(path.unlink, True)
+                await quick(path.unlink, True)
                 self._touched.pop(path, None)
                 self.used_bytes -= size
                 self.file_count -= 1
@@ -324,14 +325,14 @@ class ArchiveStore:
                     await handle.write(chunk)
                     if progress is not None:
                         progress.advance(len(chunk))
-                await asyncio.to_thread(os.fsync, handle.fileno())
+                await slow(os.fsync, handle.fileno())  # flushes a whole package
             actual = digest.hexdigest()
             if actual != expected_sha256:
                 raise IntegrityError("checksum", f"package sha256 {actual} does not match the "
                                      f"signed checksum {expected_sha256}")
             # Reading the zip's directory is quick; the full h1 pass comes after publishing,
             # so that readers following the download are not held up by it.
-            if not await asyncio.to_thread(zipfile.is_zipfile, temp):
+            if not await quick(zipfile.is_zipfile, temp):
                 raise IntegrityError("archive", "package is not a valid zip")
             final = await self.publish(temp, parts)
         except BaseException as exc:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import diskcache
+
+from proxy.executors import quick
 
 
 class MetadataCache:
@@ -19,16 +20,16 @@ class MetadataCache:
 
     async def get(self, key: str) -> dict[str, Any] | None:
         """The record at key, or None."""
-        value = await asyncio.to_thread(self._cache.get, key)
+        value = await quick(self._cache.get, key)
         return value if isinstance(value, dict) else None
 
     async def set(self, key: str, value: dict[str, Any]) -> None:
         """Store (replace) the record at key."""
-        await asyncio.to_thread(self._cache.set, key, value)
+        await quick(self._cache.set, key, value)
 
     async def delete(self, key: str) -> None:
         """Remove the record at key, if any."""
-        await asyncio.to_thread(self._cache.delete, key)
+        await quick(self._cache.delete, key)
 
     def close(self) -> None:
         """Release the SQLite handles."""

@@ -16,7 +16,6 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-
 from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app

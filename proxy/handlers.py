@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import os
@@ -15,6 +14,7 @@ from proxy.archives import ArchiveStore
 from proxy.auth import SIGNER_KEY
 from proxy.config import Config
 from proxy.errors import NotFound
+from proxy.executors import quick
 from proxy.metrics import CONTENT_TYPE_LATEST, Metrics
 from proxy.models import (
     ModuleAddress,
@@ -50,7 +50,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Readiness: the configuration is loaded and the cache directory takes writes."""
     if ARCHIVES_KEY not in request.app:
         return json_response({"errors": ["still starting"]}, status=503)
-    problem = await asyncio.to_thread(_cache_write_problem, request.app[ARCHIVES_KEY].tmp)
+    problem = await quick(_cache_write_problem, request.app[ARCHIVES_KEY].tmp)
     if problem:
         return json_response({"errors": [problem]}, status=503)
     return json_response({"status": "ready"})

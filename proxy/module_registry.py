@@ -19,6 +19,7 @@ from proxy.archives import ArchiveStore, FillLock
 from proxy.cache import MetadataCache
 from proxy.config import Config
 from proxy.errors import NotFound, Offline, ProxyError
+from proxy.executors import quick, slow
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
@@ -156,21 +157,21 @@ class ModuleRegistry:
     async def _build(self, module: ModuleAddress, source: ModuleSource,
                      parts: list[str]) -> Path:
         limit = self._config.modules.max_archive_size
-        work = await asyncio.to_thread(self._archives.work_dir)
+        work = await quick(self._archives.work_dir)
         self._metrics.fills_in_flight.inc()
         try:
             tree = await self._fetch_tree(module, source, work)
-            module_root = await asyncio.to_thread(select_subdir, tree, source.subdir)
+            module_root = await quick(select_subdir, tree, source.subdir)
             packed = self._archives.temp_file()
             try:
-                await asyncio.to_thread(pack, module_root, packed, limit)
+                await slow(pack, module_root, packed, limit)
                 return await self._archives.publish(packed, parts)
             except BaseException:
                 packed.unlink(missing_ok=True)
                 raise
         finally:
             self._metrics.fills_in_flight.dec()
-            await asyncio.to_thread(shutil.rmtree, work, True)
+            await slow(shutil.rmtree, work, True)
 
     async def _fetch_tree(self, module: ModuleAddress, source: ModuleSource,
                           work: Path) -> Path:
@@ -186,5 +187,5 @@ class ModuleRegistry:
                                     "(no ?archive= and no known extension)")
         download = work / "source.archive"
         await self._http.download(source.url, module.hostname, download, limit)
-        await asyncio.to_thread(unpack, download, source.archive, tree, limit)
+        await slow(unpack, download, source.archive, tree, limit)
         return tree

@@ -17,6 +17,7 @@ import aiofiles.os
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
+from proxy.executors import quick
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
@@ -66,7 +67,7 @@ class ProviderMirror:
         versions = [e.version for e in entries]
         if self._config.offline:
             # Offline, only what is held: a constraint then resolves to a version we have.
-            held = await asyncio.to_thread(
+            held = await quick(
                 self._archives.versions_held, ["archives", provider.hostname,
                                                provider.namespace, provider.type])
             versions = [v for v in versions if v in held]
@@ -272,7 +273,7 @@ class ProviderMirror:
                                                      self._config.max_archive_size)
                 async with stream as download:
                     growing = GrowingFile(self._archives.temp_file(), download.size)
-                    await asyncio.to_thread(growing.temp.touch)
+                    await quick(growing.temp.touch)
                     ready.set_result(growing)
                     try:
                         stored = await self._archives.store(

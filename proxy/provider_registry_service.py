@@ -11,12 +11,12 @@ Operations: list_versions, download_document, signed_sums.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from proxy.archives import ArchiveStore
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound, Offline
+from proxy.executors import quick
 from proxy.models import Platform, ProviderAddress
 from proxy.verified_packages import VerifiedPackages, sums_id
 
@@ -37,7 +37,7 @@ class ProviderRegistryService:
         self._packages.require_served(provider)
         entries = await self._packages.version_list(provider)
         if self._config.offline:
-            held = await asyncio.to_thread(
+            held = await quick(
                 self._archives.versions_held, ["archives", provider.hostname,
                                                provider.namespace, provider.type])
             entries = [e for e in entries if e.version in held]

@@ -3,12 +3,12 @@ damaged on disk must never give its wrong hash to a lock file."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from pathlib import Path
 
 from proxy.errors import IntegrityError
+from proxy.executors import slow
 from proxy.hashes import h1_of_zip, sha256_of_file
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ async def h1_of_stored(path: Path, sha256: str) -> str | None:
     (a full read, off the loop). None when the file is gone, or when it is the signed package
     but not a zip that can be hashed (fetching it again would not change that). Raises
     DamagedFile when the stored bytes are not the signed ones or cannot be read."""
-    return await asyncio.to_thread(_verified_h1, path, sha256)
+    return await slow(_verified_h1, path, sha256)
 
 
 def _verified_h1(path: Path, sha256: str) -> str | None:

@@ -4,7 +4,6 @@ SHA256SUMS bytes and signature themselves."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from dataclasses import asdict, dataclass
@@ -13,6 +12,7 @@ from typing import Any
 from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound
+from proxy.executors import quick
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
@@ -176,7 +176,7 @@ class VerifiedPackages:
             signed_by = ""
         else:
             try:
-                signed_by = await asyncio.to_thread(
+                signed_by = await quick(
                     verify_detached, sums, signature, info.signing_keys)
             except IntegrityError as exc:
                 raise self.integrity(exc.kind, f"{provider}: {exc.message}") from None

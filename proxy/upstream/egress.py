@@ -30,6 +30,7 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
+from proxy.executors import quick
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -52,7 +53,7 @@ async def outbound_proxy(url: str) -> tuple[URL, BasicAuth | None] | None:
     outbound aiohttp session chooses it; None for a direct connection."""
     try:
         # In a thread: the choice may read ~/.netrc for the proxy's credentials.
-        return await asyncio.to_thread(get_env_proxy_for_url, URL(url))
+        return await quick(get_env_proxy_for_url, URL(url))
     except (LookupError, ValueError):
         return None
 

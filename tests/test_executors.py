@@ -1,0 +1,53 @@
+"""The proxy's thread pools: quick calls never queue behind slow work, and the pools live as
+long as the apps on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+
+import pytest
+
+from proxy.executors import quick, serving, slow
+from tests.support.held_work import HeldCalls
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+def thread_and_context() -> tuple[str, str]:
+    """Where a call ran, and the context it saw."""
+    return threading.current_thread().name, REQUEST_ID.get()
+
+
+async def test_quick_calls_answer_while_slow_work_takes_every_slow_thread() -> None:
+    async with serving(quick_threads=2, slow_threads=2):
+        held = HeldCalls(lambda: None)
+        jobs = [asyncio.ensure_future(slow(held)) for _ in range(5)]
+        try:
+            assert await held.settled(minimum=2) == 2  # the rest wait their turn
+            REQUEST_ID.set("r-1")
+            started = time.monotonic()
+            thread, seen = await asyncio.wait_for(quick(thread_and_context), 5)
+            assert time.monotonic() - started < 1.0
+            assert thread.startswith("proxy-quick") and seen == "r-1"
+            assert all(name.startswith("proxy-slow") for name in held.threads)
+        finally:
+            held.release()
+            await asyncio.gather(*jobs)
+        assert held.finished == 5
+
+
+async def test_apps_on_one_loop_share_the_pools_until_the_last_one_stops() -> None:
+    async with serving() as first:
+        async with serving() as second:
+            assert second is first
+        thread, _ = await quick(thread_and_context)
+        assert thread.startswith("proxy-quick")  # the first app still runs
+    with pytest.raises(RuntimeError):
+        first.quick_pool.submit(thread_and_context)  # shut down with the last app
+    # Outside a serving app (one-shot commands, unit tests) the calls still run off the loop.
+    thread, _ = await quick(thread_and_context)
+    assert thread != threading.current_thread().name
+    assert not thread.startswith("proxy-")
