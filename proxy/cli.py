@@ -466,9 +466,12 @@ def _healthcheck(config: Config) -> int:
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    # Straight to this machine: an egress proxy from HTTPS_PROXY could not reach it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
     try:
-        with urllib.request.urlopen(f"https://{host}:{config.server.port}/healthz",
-                                    context=context, timeout=5) as response:
+        with opener.open(f"https://{host}:{config.server.port}/healthz",
+                         timeout=5) as response:
             return 0 if response.status == 200 else 1
     except OSError as exc:
         print(f"tf-registry-proxy: unhealthy: {exc}", file=sys.stderr)
