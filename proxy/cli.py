@@ -9,8 +9,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
+import socket
 import ssl
 import sys
+import time
 import urllib.request
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -41,6 +43,7 @@ from proxy.handlers import METRICS_KEY
 from proxy.http_server import ProxyRunner
 from proxy.models import Platform
 from proxy.redaction import install_log_masking, mask_secrets
+from proxy.shutdown import EXIT_MARGIN, StopSignals, die_with_parent, stop_serving
 from proxy.state import StatePaths, adopt_legacy_state
 from proxy.tls import (
     TlsStateError,
@@ -375,41 +378,64 @@ def _run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
 
 def _serve_workers(config: Config, generated_ca: Path | None) -> int:
     """N processes on one port (SO_REUSEPORT) sharing the disk cache. The parent forwards
-    SIGTERM/SIGINT; when one worker dies, it stops the others and exits with its status."""
+    SIGTERM/SIGINT and waits for the workers' graceful stop (killing any still there after
+    the grace period and a margin); when one worker dies, it stops the others and exits with
+    its status. Workers watch the parent and stop when it dies, however it dies."""
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
                              name=f"worker-{index}") for index in range(config.server.workers)]
-    stopping = False
+    deadline: float | None = None
 
     def stop(_signum: int = signal.SIGTERM, _frame: object = None) -> None:
-        nonlocal stopping
-        stopping = True
-        for worker in workers:
+        nonlocal deadline
+        if deadline is None:
+            deadline = time.monotonic() + config.server.shutdown_timeout + EXIT_MARGIN
+        for worker in workers:  # a second signal is forwarded too: the workers cut at once
             if worker.is_alive():
                 worker.terminate()
 
+    # A signal interrupts the wait below (its handler alone would not: the wait resumes).
+    wake_read, wake_write = socket.socketpair()
+    wake_write.setblocking(False)
+    signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
     signal.signal(signal.SIGINT, stop)
+    running = []
     for worker in workers:
-        worker.start()
-    log.info("started %d worker processes", len(workers))
+        if deadline is None:  # not if a signal came meanwhile: it could not reach this one
+            worker.start()
+            running.append(worker)
+    log.info("started %d worker processes", len(running))
     code = 0
-    running = list(workers)
     while running:
-        multiprocessing.connection.wait([w.sentinel for w in running])
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait([wake_read, *(w.sentinel for w in running)],
+                                                timeout)
+        if wake_read in ready:
+            wake_read.recv(512)
         for worker in [w for w in running if not w.is_alive()]:
             running.remove(worker)
             worker.join()
-            if not stopping:
+            if deadline is None:
                 log.error("%s exited (%s); stopping the others", worker.name, worker.exitcode)
                 code = worker.exitcode or 1
                 stop()
+        if running and deadline is not None and time.monotonic() >= deadline:
+            for worker in running:
+                log.error("%s did not stop within %.0f s; killing it", worker.name,
+                          config.server.shutdown_timeout + EXIT_MARGIN)
+                worker.kill()
+                worker.join()
+            running, code = [], code or 1
     return code if code >= 0 else 1
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
     configure_logging(config.server.log_level.upper(),
                       f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(config.server.shutdown_timeout)
     certificate = ensure_certificate(config.server)
     raise SystemExit(_run_loop(_run(config, ssl_context(certificate), generated_ca,
                                     reuse_port=True, announce=index == 0),
@@ -444,13 +470,13 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     if announce:
         log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
                  server.port, server.base_url, config.cache.dir)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await runner.cleanup()
+    signals = StopSignals()
+    # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
+    signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))
+    await signals.stop.wait()
+    log.info("shutting down: no new connections; responses under way get %g s to finish",
+             server.shutdown_timeout)
+    await stop_serving(runner, server.shutdown_timeout, signals.cut)
     return 0
 
 
@@ -465,9 +491,12 @@ def _healthcheck(config: Config) -> int:
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
+    # Straight to this machine: an egress proxy from HTTPS_PROXY could not reach it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
     try:
-        with urllib.request.urlopen(f"https://{host}:{config.server.port}/healthz",
-                                    context=context, timeout=5) as response:
+        with opener.open(f"https://{host}:{config.server.port}/healthz",
+                         timeout=5) as response:
             return 0 if response.status == 200 else 1
     except OSError as exc:
         print(f"tf-registry-proxy: unhealthy: {exc}", file=sys.stderr)

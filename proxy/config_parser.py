@@ -169,11 +169,13 @@ class _Parser:
             self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
                                  f"{event_loop!r}")
             event_loop = "uvloop"
+        shutdown_timeout = self._number("server.shutdown_timeout", table, "shutdown_timeout",
+                                        defaults.shutdown_timeout)
         state_dir = self._path("server.state_dir", table, "state_dir") or default_state_dir()
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
                             access_log=access_log, workers=workers, event_loop=event_loop,
-                            state_dir=state_dir)
+                            shutdown_timeout=shutdown_timeout, state_dir=state_dir)
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",

@@ -53,6 +53,8 @@ class ServerConfig:
     access_log: str = "plain"  # "plain", "json" or "off"
     workers: int = 1  # processes serving one port (SO_REUSEPORT), sharing the cache
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
+    # Seconds responses under way get to finish on SIGTERM before they are cut.
+    shutdown_timeout: float = 30.0
     # The generated CA, the server certificate and the URL-signing key: state that clients
     # depend on, so never under cache.dir.
     state_dir: Path = field(default_factory=default_state_dir)
@@ -198,7 +200,7 @@ class Config:
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
-               "workers", "event_loop", "state_dir"),
+               "workers", "event_loop", "shutdown_timeout", "state_dir"),
     "cache": ("dir", "max_size"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

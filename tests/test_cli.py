@@ -274,6 +274,12 @@ def test_healthcheck(tmp_path: Path) -> None:
         # "[::]" listens on IPv4 too.
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
+        # An egress proxy (here: nothing listens there) is not for the local probe, as in a
+        # container whose HEALTHCHECK inherits HTTPS_PROXY.
+        for variable in ("HTTPS_PROXY", "https_proxy"):
+            result = run_cli("healthcheck",
+                             env={**env, variable: f"http://127.0.0.1:{free_port()}"})
+            assert result.returncode == 0, (variable, result.stderr)
     finally:
         process.terminate()
         process.wait(timeout=10)

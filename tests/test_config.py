@@ -30,6 +30,18 @@ def test_no_file_means_defaults() -> None:
     assert config.upstream.allowed_hosts == ("registry.terraform.io", "registry.opentofu.org")
     assert config.upstream.ca_bundle is None
     assert config.upstream.hosts == {}
+    assert config.server.shutdown_timeout == 30
+
+
+def test_shutdown_timeout(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nshutdown_timeout = 2.5\n")
+    assert load_config(path, environ={}).server.shutdown_timeout == 2.5
+    environ = {"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": "7"}
+    assert load_config(None, environ=environ).server.shutdown_timeout == 7
+    for bad in ("-1", "0", "soon", "inf"):
+        with pytest.raises(ConfigError) as caught:
+            load_config(None, environ={"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": bad})
+        assert caught.value.problems[0].startswith("server.shutdown_timeout: expected a "), bad
 
 
 def test_full_file(tmp_path: Path, upstream_ca_file: Path) -> None:
@@ -140,7 +152,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "access_log", "token",
                 "providers", "exclude_providers", "modules", "exclude_modules", "platforms",
                 "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop",
-                "state_dir"):
+                "shutdown_timeout", "state_dir"):
         assert f"{key} =" in text, key
 
 
