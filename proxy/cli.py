@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
+import sqlite3
 import ssl
 import sys
 import urllib.request
@@ -29,6 +30,7 @@ from proxy.bundle import (
 )
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
+from proxy.disk_space import describe_start_failure
 from proxy.errors import BadRequest
 from proxy.models import Platform
 from proxy.redaction import install_log_masking, mask_secrets
@@ -299,7 +301,10 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
     runner = web.AppRunner(create_app(config), handle_signals=False, access_log=access_logger,
                            access_log_class=access_class)
-    await runner.setup()
+    try:
+        await runner.setup()  # opens the cache: its directories, the index
+    except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: one clear line, exit 2
+        return _fail(describe_start_failure(config.cache.dir, exc))
     # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
     try:

@@ -51,6 +51,10 @@ class Metrics:
         self.cache_bytes = Gauge(
             "tfproxy_cache_size_bytes", "Bytes of packages and modules in the cache.",
             registry=self.registry)
+        self.disk_full = Counter(
+            "tfproxy_cache_disk_full", "Writes into the cache that found its disk full "
+            "(ENOSPC, EDQUOT), or files refused as too large for the space left, by kind "
+            "(package, module, index).", ["kind"], registry=self.registry)
         self.fills_in_flight = Gauge(
             "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
 
