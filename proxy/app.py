@@ -11,6 +11,7 @@ from proxy.archives import ArchiveStore
 from proxy.auth import SIGNER_KEY, auth_middleware, load_signing_key
 from proxy.cache import MetadataCache
 from proxy.config import Config
+from proxy.disk_space import DiskSpace
 from proxy.executors import quick, serving, slow
 from proxy.filters import Filters
 from proxy.handlers import (
@@ -55,8 +56,10 @@ def create_app(config: Config) -> web.Application:
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         cache_dir = config.cache.dir
+        disk = DiskSpace(cache_dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
         archives = ArchiveStore(cache_dir, config.cache.max_size,
-                                on_evict=lambda count, size: metrics.evictions.inc(count))
+                                on_evict=lambda count, size: metrics.evictions.inc(count),
+                                disk=disk)
         swept = await slow(archives.sweep_temp)
         if swept:
             log.info("removed %d unfinished download(s) left by an earlier run", swept)
@@ -67,7 +70,7 @@ def create_app(config: Config) -> web.Application:
         log.info("cache holds %d bytes of packages and modules", used)
         if config.cache.max_size is not None and used > config.cache.max_size:
             await archives.evict()
-        cache = MetadataCache(cache_dir / "index")
+        cache = MetadataCache(cache_dir / "index", disk)
         egress = EgressPolicy.from_config(config.upstream)
         session = make_session(config.upstream, egress)
         http = UpstreamHTTP(session, config.upstream, metrics, egress)

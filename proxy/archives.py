@@ -25,6 +25,7 @@ from typing import BinaryIO
 import aiofiles
 import aiofiles.os
 
+from proxy.disk_space import DiskSpace, is_out_of_space
 from proxy.errors import IntegrityError, UpstreamError
 from proxy.executors import quick, quick_soon, slow
 
@@ -127,8 +128,10 @@ class ArchiveStore:
     """Provider packages under `<cache>/archives/...`, modules under `<cache>/modules/...`."""
 
     def __init__(self, cache_dir: Path, max_size: int | None = None,
-                 on_evict: Callable[[int, int], None] | None = None) -> None:
+                 on_evict: Callable[[int, int], None] | None = None,
+                 disk: DiskSpace | None = None) -> None:
         self.cache_dir = cache_dir
+        self.disk = disk or DiskSpace(cache_dir)
         # Each process writes under its own locked directory, so that processes sharing the
         # cache (workers, or a restarted one) sweep only what dead processes left behind.
         self.tmp_root = cache_dir / "tmp"
@@ -322,7 +325,11 @@ class ArchiveStore:
                 async for chunk in chunks:
                     digest.update(chunk)
                     size += len(chunk)
-                    await handle.write(chunk)
+                    # An unbuffered write may take only part of the chunk (a disk filling up):
+                    # the rest is written, or the next attempt raises.
+                    pending = memoryview(chunk)
+                    while pending:
+                        pending = pending[await handle.write(pending):]
                     if progress is not None:
                         progress.advance(len(chunk))
                 await slow(os.fsync, handle.fileno())  # flushes a whole package
@@ -338,9 +345,15 @@ class ArchiveStore:
         except BaseException as exc:
             # Synchronous on purpose: this also runs when the fill is cancelled.
             temp.unlink(missing_ok=True)
-            if progress is not None:
-                progress.fail(exc if isinstance(exc, Exception)
+            error = exc
+            if is_out_of_space(exc):
+                error = self.disk.ran_out(
+                    "package", progress.size if progress is not None else None, size)
+            if progress is not None:  # every client following the download learns it now
+                progress.fail(error if isinstance(error, Exception)
                               else UpstreamError("the download was interrupted"))
+            if error is not exc:
+                raise error from exc
             raise
         if progress is not None:
             progress.complete(final)

@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import socket
+import sqlite3
 import ssl
 import sys
 import time
@@ -38,6 +39,7 @@ from proxy.bundle_signing import (
 )
 from proxy.client_config import render_client_config
 from proxy.config import Config, ConfigError, load_config
+from proxy.disk_space import describe_start_failure
 from proxy.errors import BadRequest
 from proxy.handlers import METRICS_KEY
 from proxy.http_server import ProxyRunner
@@ -450,7 +452,10 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
     access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
     runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
                          access_log_class=access_class)
-    await runner.setup()
+    try:
+        await runner.setup()  # opens the cache: its directories, the index
+    except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: one clear line, exit 2
+        return _fail(describe_start_failure(config.cache.dir, exc))
     trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
                   else "clients must trust the CA that issued server.tls_cert")
     failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)

@@ -62,3 +62,10 @@ class UpstreamTimeout(UpstreamError):
     """Upstream did not answer in time."""
 
     status = 504
+
+
+class InsufficientStorage(ProxyError):
+    """The cache's disk is full: an artifact could not be stored, so it cannot be served.
+    507 says exactly that; clients retry it like any 5xx."""
+
+    status = 507

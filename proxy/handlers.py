@@ -47,10 +47,13 @@ async def healthz(_request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the configuration is loaded and the cache directory takes writes."""
+    """Readiness: the configuration is loaded and the cache directory takes writes (and,
+    after its disk filled up, has room again for what did not fit)."""
     if ARCHIVES_KEY not in request.app:
         return json_response({"errors": ["still starting"]}, status=503)
-    problem = await quick(_cache_write_problem, request.app[ARCHIVES_KEY].tmp)
+    archives = request.app[ARCHIVES_KEY]
+    problem = await quick(
+        lambda: _cache_write_problem(archives.tmp) or archives.disk.problem())
     if problem:
         return json_response({"errors": [problem]}, status=503)
     return json_response({"status": "ready"})

@@ -59,6 +59,10 @@ class Metrics:
             "tfproxy_tls_handshake_failures", "Failed client TLS handshakes by kind "
             "(untrusted_certificate, plain_http, protocol_mismatch, other).", ["reason"],
             registry=self.registry)
+        self.disk_full = Counter(
+            "tfproxy_cache_disk_full", "Writes into the cache that found its disk full "
+            "(ENOSPC, EDQUOT), or files refused as too large for the space left, by kind "
+            "(package, module, index).", ["kind"], registry=self.registry)
         self.fills_in_flight = Gauge(
             "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
 

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
+from proxy.disk_space import is_out_of_space
 from proxy.errors import UpstreamError
 
 _TAR_MODES = {"tar.gz": "r:gz", "tgz": "r:gz", "tar.xz": "r:xz", "txz": "r:xz",
@@ -40,6 +41,8 @@ def unpack(archive: Path, archive_format: str, destination: Path, max_bytes: int
         else:
             raise UnsafeArchive(f"unsupported module archive format {archive_format!r}")
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, gzip.BadGzipFile) as exc:
+        if is_out_of_space(exc):
+            raise  # our disk, not upstream's archive
         raise UpstreamError(f"module archive cannot be unpacked as {archive_format}: "
                             f"{exc}") from None
 

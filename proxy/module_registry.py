@@ -18,6 +18,7 @@ from typing import Any
 from proxy.archives import ArchiveStore, FillLock
 from proxy.cache import MetadataCache
 from proxy.config import Config
+from proxy.disk_space import is_out_of_space
 from proxy.errors import NotFound, Offline, ProxyError
 from proxy.executors import quick, slow
 from proxy.filters import Filters
@@ -138,8 +139,13 @@ class ModuleRegistry:
 
     async def _fill(self, module: ModuleAddress, version: str) -> Path:
         # One fill per module version across the processes sharing the cache.
-        async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
-            return await self._fill_locked(module, version)
+        try:
+            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+                return await self._fill_locked(module, version)
+        except OSError as exc:  # the lock, the source, its tree or the archive found no room
+            if not is_out_of_space(exc):
+                raise
+            raise self._archives.disk.ran_out("module") from exc
 
     async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
         parts = self._archive_parts(module, version)

@@ -16,7 +16,15 @@ import aiofiles.os
 
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.config import UpstreamConfig
-from proxy.errors import IntegrityError, NotFound, Offline, ProxyError, UpstreamError
+from proxy.disk_space import is_out_of_space
+from proxy.errors import (
+    InsufficientStorage,
+    IntegrityError,
+    NotFound,
+    Offline,
+    ProxyError,
+    UpstreamError,
+)
 from proxy.executors import quick
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
@@ -134,6 +142,8 @@ class ProviderMirror:
         if not archives:
             if all(isinstance(f, NotFound) for f in failures):
                 raise NotFound(f"no package of {provider} {version}: {failures[0].message}")
+            if all(isinstance(f, InsufficientStorage) for f in failures):
+                raise failures[0]
             raise UpstreamError(f"no package of {provider} {version} could be fetched: "
                                 f"{failures[0].message}")
         return {"archives": archives}
@@ -245,12 +255,17 @@ class ProviderMirror:
 
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
                             ready: asyncio.Future[Path | GrowingFile]) -> None:
-        async with self._fill_lock(provider, version, platform):
-            published = await self._stored(provider, version, platform)  # one just finished
-            if published is not None:
-                ready.set_result(published)
-                return
-            await self._download_archive(provider, version, platform, ready)
+        try:
+            async with self._fill_lock(provider, version, platform):
+                published = await self._stored(provider, version, platform)  # just finished
+                if published is not None:
+                    ready.set_result(published)
+                    return
+                await self._download_archive(provider, version, platform, ready)
+        except OSError as exc:  # the lock or temp file found no room (blocks or inodes)
+            if not is_out_of_space(exc):
+                raise
+            raise self._archives.disk.ran_out("package") from exc
 
     async def _download_archive(self, provider: ProviderAddress, version: str,
                                 platform: Platform,
@@ -272,6 +287,9 @@ class ProviderMirror:
                 stream = self.packages.registry.open_package(provider, info.download_url,
                                                      self._config.max_archive_size)
                 async with stream as download:
+                    if download.size is not None:  # cannot fit: a 507 before any headers
+                        await quick(self._archives.disk.require_room, "package",
+                                                download.size)
                     growing = GrowingFile(self._archives.temp_file(), download.size)
                     await quick(growing.temp.touch)
                     ready.set_result(growing)

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from proxy.access_log import CACHE_RESULT_KEY
 from proxy.archives import ArchiveStore, GrowingFile
-from proxy.errors import IntegrityError, ProxyError
+from proxy.errors import InsufficientStorage, IntegrityError, ProxyError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def _abort_reason(exc: BaseException) -> str:
     """A bounded label for why a response was cut off."""
     if isinstance(exc, IntegrityError):
         return "integrity"
+    if isinstance(exc, InsufficientStorage):
+        return "io"  # the cache disk filled up under a download
     if isinstance(exc, ProxyError):
         return "upstream"
     if isinstance(exc, OSError):

@@ -200,7 +200,8 @@ async def test_failure_before_headers_is_still_a_json_error(
         start: Start, proxy_config: Config, monkeypatch: pytest.MonkeyPatch,
         failing: str) -> None:
     async def broken(*_args: object) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        # An I/O error (a full disk is a 507 of its own: see test_disk_full.py).
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     async with start() as proxy:
         if failing == "package lookup":

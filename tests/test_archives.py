@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiofiles.threadpool
 import pytest
 
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
@@ -195,3 +198,28 @@ async def test_discard_spares_a_file_that_replaced_the_damaged_one(tmp_path: Pat
     assert await store.discard(first.path, (now.st_dev, now.st_ino))
     assert not first.path.exists()
     assert (store.used_bytes, store.file_count) == (0, 0)
+
+
+async def test_short_writes_are_completed_not_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # write(2) may take only part of a buffer (a disk filling up, a signal): the rest must
+    # follow, or the file misses bytes its sha256 (computed over what upstream sent) vouched for.
+    class ShortWrites(io.FileIO):
+        def write(self, data: Any) -> int:
+            return super().write(bytes(data)[:7])
+
+    def sync_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(file).endswith(".part") and mode == "wb":
+            return ShortWrites(file, "wb")
+        return open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(aiofiles.threadpool, "sync_open", sync_open)
+    store = ArchiveStore(tmp_path)
+    growing = GrowingFile(store.temp_file(), len(ZIP))
+    growing.temp.touch()
+    fill = asyncio.create_task(store.store(PARTS, chunks(ZIP),
+                                           hashlib.sha256(ZIP).hexdigest(), growing))
+    followed = b"".join([chunk async for chunk in growing.chunks()])
+    stored = await fill
+    assert followed == ZIP
+    assert stored.path.read_bytes() == ZIP

@@ -114,13 +114,16 @@ class FakeRegistry:
 
     def add_release(self, namespace: str, type_: str, version: str,
                     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
-                    padding: int = 4096) -> Release:
-        """Publish a version: one zip per platform, SHA256SUMS, signature."""
+                    padding: int = 4096, incompressible: bool = False) -> Release:
+        """Publish a version: one zip per platform, SHA256SUMS, signature. An incompressible
+        padding makes a zip about `padding` bytes long."""
         release = Release(namespace, type_, version, platforms)
         for platform in platforms:
+            seed = f"{type_}{version}{platform}".encode()
+            filler = hashlib.shake_256(seed).digest(padding) if incompressible else \
+                hashlib.sha256(seed).digest() * (padding // 32)
             binary = (f"#!/bin/sh\necho fake {namespace}/{type_} {version} {platform}\n"
-                      .encode() + hashlib.sha256(f"{type_}{version}{platform}".encode())
-                      .digest() * (padding // 32))
+                      .encode() + filler)
             release.binaries[platform] = binary
             release.zips[platform] = build_zip({
                 f"terraform-provider-{type_}_v{version}": (binary, 0o755),
@@ -361,18 +364,26 @@ class FakeRegistry:
                     body = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
                 if "slowzip" in self.faults:
                     return await self._trickle(request, body)
+                if "holdzip" in self.faults:  # headers now, the body once the test says so
+                    return await self._trickle(request, body, piece=16 << 10, pause=0,
+                                               hold="holdzip")
                 if len(body) > 8 << 20:  # big (benchmark) packages: stream, do not buffer
                     return await self._trickle(request, body, piece=1 << 20, pause=0)
                 return web.Response(body=body, content_type="application/zip")
         raise web.HTTPNotFound()
 
     async def _trickle(self, request: web.Request, body: bytes, piece: int = 32,
-                       pause: float = 0.05) -> web.StreamResponse:
-        """Send a body in pieces, by default slowly (a slow upstream mid-download)."""
+                       pause: float = 0.05, hold: str | None = None) -> web.StreamResponse:
+        """Send a body in pieces, by default slowly (a slow upstream mid-download); with
+        `hold`, only the headers until that fault is cleared."""
         response = web.StreamResponse(headers={"Content-Type": "application/zip"})
         if "nolength" not in self.faults:  # else chunked: the size is not known in advance
             response.content_length = len(body)
         await response.prepare(request)
+        for _ in range(3000):  # the fault set is plain data shared with tests: poll it (30 s)
+            if hold is None or hold not in self.faults:
+                break
+            await asyncio.sleep(0.01)
         view = memoryview(body)
         for offset in range(0, len(body), piece):
             await response.write(view[offset:offset + piece])
