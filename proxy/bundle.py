@@ -12,12 +12,10 @@ import hashlib
 import io
 import json
 import os
-import re
-import shutil
 import tarfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import diskcache
 import pysequoia
 
 from proxy.archives import ArchiveStore
+from proxy.bundle_entries import ModuleEntry, ProviderEntry, parse_contents
 from proxy.bundle_manifest import (
     FORMAT,
     MANIFEST,
@@ -35,40 +34,48 @@ from proxy.bundle_manifest import (
     check_signature,
     file_entry,
     members_of,
+    open_bundle,
     parse_manifest,
     read_small,
     stage,
 )
+from proxy.bundle_mirror import import_mirror
+from proxy.bundle_publish import (
+    CacheChanges,
+    apply_changes,
+    cache_work,
+    check_room,
+    existing_index,
+    plan_list,
+    regular_sha256,
+)
 from proxy.bundle_signing import ManifestSigner
 from proxy.constraints import newest_matching
-from proxy.errors import BadRequest, IntegrityError
+from proxy.errors import IntegrityError
 from proxy.hashes import h1_of_zip
-from proxy.models import (
-    ModuleAddress,
-    Platform,
-    ProviderAddress,
-    normalize_hostname,
-    parse_module_version,
-    parse_version,
-)
+from proxy.models import ModuleAddress, Platform, ProviderAddress
 from proxy.registry_documents import parse_sha256sums, without_upstream_urls
 from proxy.settings import Config
 from proxy.signatures import verify_detached
 from proxy.verified_packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
 from proxy.warm_sources import Requirement
 
-_SUMS_ID = re.compile(r"[0-9a-f]{32}")
 _CHUNK = 1 << 20
+# A mirror directory's VERSION.json is read into memory; real ones are a few kilobytes.
+_MAX_MIRROR_DOCUMENT = 8 << 20
 
 
 @dataclass(frozen=True)
 class Counts:
-    """How much a bundle held (and, for exports, which requirements nothing matched)."""
+    """How much a bundle held (imports: what was new to the cache, and how many packages
+    and module archives the cache held already; exports: which requirements nothing
+    matched)."""
 
     providers: int
     modules: int
     unmatched: tuple[str, ...] = ()
     signed_by: str = ""  # fingerprint of the key that signed (export) or verified (import)
+    present: int = 0
 
 
 def _sha256(path: Path) -> str:
@@ -215,64 +222,36 @@ def export_bundle(config: Config, output: Path,
 
 # --- import ----------------------------------------------------------------------------
 
-def _verify_provider(entry: dict[str, Any], staged: dict[str, Path],
+def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
                      trusted_keys: list[str] | None) -> VerifiedPackage:
     """Every check a live fill makes, on the staged files; BundleError names what failed."""
-    try:
-        return _check_provider(entry, staged, trusted_keys)
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise BundleError(f"invalid provider entry in {MANIFEST}: {exc!r}"[:300]) from None
-
-
-def _check_provider(entry: dict[str, Any], staged: dict[str, Path],
-                    trusted_keys: list[str] | None) -> VerifiedPackage:
-    name = f"{entry['hostname']}/{entry['namespace']}/{entry['type']} {entry['version']}"
-    try:
-        provider = ProviderAddress.parse(entry["hostname"], entry["namespace"], entry["type"])
-        platform = Platform.from_key(entry["platform"])
-        version = parse_version(entry["version"])
-    except BadRequest as exc:
-        raise BundleError(f"{name}: invalid entry ({exc.message})") from None
-    # The signature binds file name to checksum; the file name binds version and platform.
-    if entry["filename"] != provider.archive_filename(version, platform):
-        raise BundleError(f"{name}: file name {entry['filename']!r} is not the package of "
-                          f"{version} {platform.key}")
-    if not _SUMS_ID.fullmatch(str(entry["sums_id"])):
-        raise BundleError(f"{name}: invalid sums_id")
-    document = entry.get("document") or {}
-    if document and (document.get("filename"), document.get("shasum"),
-                     document.get("os"), document.get("arch")) != (
-            entry["filename"], entry["shasum"], platform.os, platform.arch):
-        raise BundleError(f"{name}: the download document does not describe this package")
-    carried_keys = [k["ascii_armor"] for k in document.get("signing_keys", {}).get(
-        "gpg_public_keys", []) if isinstance(k, dict) and "ascii_armor" in k]
-    sums = staged[entry["sums"]].read_bytes()
-    signature = staged[entry["signature"]].read_bytes()
+    sums = staged[entry.sums].read_bytes()
+    signature = staged[entry.signature].read_bytes()
     # The registry's signature must verify with the keys the exporter fetched with the
     # package, as for a live fill: the bundle's own signature vouches for those keys.
-    checks = [(carried_keys, "the keys in the bundle")] if carried_keys \
-        or provider.hostname not in UNSIGNED_ALLOWED_HOSTS else []
+    checks = [(list(entry.signing_keys), "the keys in the bundle")] if entry.signing_keys \
+        or entry.provider.hostname not in UNSIGNED_ALLOWED_HOSTS else []
     if trusted_keys is not None:  # the operator's extra check: these keys must agree
         checks.append((trusted_keys, "any of the --trusted-keys"))
     for keys, which in checks:
         try:
             verify_detached(sums, signature, keys)
         except IntegrityError as exc:
-            raise BundleError(f"{entry['signature']}: the signature does not verify with "
+            raise BundleError(f"{entry.signature}: the signature does not verify with "
                               f"{which} ({exc.message})") from None
-    if parse_sha256sums(sums).get(entry["filename"]) != entry["shasum"]:
-        raise BundleError(f"{entry['sums']}: no matching line for {entry['filename']}")
-    zip_path = staged[entry["zip"]]
-    if _sha256(zip_path) != entry["shasum"]:
-        raise BundleError(f"{entry['zip']}: sha256 does not match the signed checksum")
+    if parse_sha256sums(sums).get(entry.filename) != entry.shasum:
+        raise BundleError(f"{entry.sums}: no matching line for {entry.filename}")
+    zip_path = staged[entry.zip]
+    if _sha256(zip_path) != entry.shasum:
+        raise BundleError(f"{entry.zip}: sha256 does not match the signed checksum")
     try:
         h1 = h1_of_zip(zip_path)
     except (zipfile.BadZipFile, OSError, ValueError):
-        raise BundleError(f"{entry['zip']}: not a valid zip") from None
-    if entry.get("h1") and entry["h1"] != h1:
-        raise BundleError(f"{entry['zip']}: h1 does not match")
-    return VerifiedPackage(entry["filename"], entry["shasum"], h1, zip_path.stat().st_size,
-                           entry["sums_id"], document or None)
+        raise BundleError(f"{entry.zip}: not a valid zip") from None
+    if entry.h1 is not None and entry.h1 != h1:
+        raise BundleError(f"{entry.zip}: h1 does not match")
+    return VerifiedPackage(entry.filename, entry.shasum, h1, zip_path.stat().st_size,
+                           entry.sums_id, entry.document)
 
 
 def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.Cert] | None,
@@ -284,10 +263,7 @@ def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.
     None: nothing checks the bundle's origin (the operator vouches for the path it came
     over). trusted_keys: armored OpenPGP keys that provider signatures must also verify
     with."""
-    try:
-        tar = tarfile.open(bundle, "r")
-    except (OSError, tarfile.TarError) as exc:
-        raise BundleError(f"not a readable tar bundle: {exc}") from None
+    tar = open_bundle(bundle)
     try:
         with tar:
             return _import_from(config, tar, bundle_keys, trusted_keys)
@@ -300,198 +276,89 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                  trusted_keys: list[str] | None) -> Counts:
     members = members_of(tar)
     manifest_bytes = read_small(tar, members, MANIFEST)
-    # Origin first, then the manifest's promises about the tar's members: nothing is
-    # parsed further, copied or written before both hold.
+    # Origin first, then the manifest's promises about the tar's members and what it says
+    # the bundle carries: nothing is copied, nor the cache touched, before all of it holds.
     signed_by = "" if bundle_keys is None else check_signature(manifest_bytes, tar, members,
                                                                bundle_keys)
     manifest, listed = parse_manifest(manifest_bytes)
     check_members(listed, members, max(config.upstream.max_archive_size,
                                         config.modules.max_archive_size))
-    providers, module_entries = manifest.get("providers"), manifest.get("modules")
-    versions = manifest.get("versions", {})
-    if not isinstance(providers, list) or not isinstance(module_entries, list) \
-            or not isinstance(versions, dict):
-        raise BundleError(f"{MANIFEST} is malformed")
-    store = ArchiveStore(config.cache.dir)
-    staging = store.tmp / "import"
-    staging.mkdir()
-    index = None
-    try:
+    contents = parse_contents(manifest, listed)
+    check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
+               "the bundle's members")
+    with cache_work(config.cache.dir) as store:
+        staging = store.tmp / "import"
+        staging.mkdir()
         staged = stage(tar, members, listed, staging)
-        verified = [(entry, _verify_provider(entry, staged, trusted_keys))
-                    for entry in providers]
-        modules = [(_module_of(entry, staged), entry) for entry in module_entries]
-        _refuse_duplicates([e["zip"] for e, _p in verified] + [e["archive"] for e in
-                                                               module_entries])
-        imported = {f"{e['hostname']}/{e['namespace']}/{e['type']}" for e, _p in verified}
-        for address, entries in versions.items():
-            if address not in imported or not isinstance(entries, list) \
-                    or not all(_valid_version_entry(v) for v in entries):
-                raise BundleError(f"{MANIFEST}: invalid version list for {address[:100]!r}")
-        index = _index(config)
-        changes = _planned_changes(index, store, staged, verified, modules)
-        # Everything verified: now, and only now, the cache changes; files first, then the
-        # index records that vouch for them.
-        for source, parts in changes:
-            _publish(store, source, parts)
-        for entry, package in verified:
-            provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
-            key = f"{provider}/{entry['version']}"
-            index.set(f"sums/{key}/{package.sums_id}", {
-                "sums": staged[entry["sums"]].read_bytes(),
-                "signature": staged[entry["signature"]].read_bytes(),
-                "signed_by": "", "url": ""})
-            index.set(f"package/{key}/{entry['platform']}", asdict(package))
-        for address, entries in versions.items():
-            _merge_list(index, f"versions/{address}", entries, lambda v: v["version"])
-        for module, entry in modules:
-            _merge_list(index, f"module-versions/{module}", [entry["version"]], str)
-        return Counts(len(verified), len(modules), signed_by=signed_by)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if index is not None:
-            index.close()
-        store.close()
+        packages = [(entry, _verify_provider(entry, staged, trusted_keys))
+                    for entry in contents.providers]
+        changes = CacheChanges(config.cache.dir / "index")
+        with existing_index(config.cache.dir) as index:
+            old_packages = _plan_packages(changes, index, store, staged, packages)
+            old_modules = _plan_modules(changes, index, store, staged, listed,
+                                        contents.modules)
+            for version_list in contents.versions:
+                plan_list(changes, index, f"versions/{version_list.provider}",
+                          list(version_list.entries), lambda v: v["version"])
+        apply_changes(changes)
+    return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
+                  signed_by=signed_by, present=old_packages + old_modules)
 
 
-def _module_of(entry: Any, staged: dict[str, Path]) -> ModuleAddress:
-    try:
-        module = ModuleAddress.parse(entry["hostname"], entry["namespace"], entry["name"],
-                                     entry["system"])
-        parse_module_version(entry["version"])
-        staged[entry["archive"]]
-    except (BadRequest, KeyError, TypeError) as exc:
-        raise BundleError(f"invalid module entry in {MANIFEST}: {exc!r}"[:300]) from None
-    return module
-
-
-def _refuse_duplicates(members: list[str]) -> None:
-    seen: set[str] = set()
-    for member in members:
-        if member in seen:
-            raise BundleError(f"{member}: used by two entries")
-        seen.add(member)
-
-
-def _planned_changes(index: diskcache.Cache, store: ArchiveStore, staged: dict[str, Path],
-                     verified: list[tuple[dict[str, Any], VerifiedPackage]],
-                     modules: list[tuple[ModuleAddress, dict[str, Any]]],
-                     ) -> list[tuple[Path, list[str]]]:
-    """The files to publish. What the cache already holds stays: the same package again is
-    skipped; a different one under the same name refuses the bundle."""
-    changes = []
-    for entry, package in verified:
-        provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
-        existing = index.get(f"package/{provider}/{entry['version']}/{entry['platform']}")
+def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
+                   staged: dict[str, Path],
+                   packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
+    """Plan the packages' files and records; returns how many the cache already holds. What
+    the cache holds stays: a different package under the same name refuses the bundle."""
+    present = 0
+    for entry, package in packages:
+        existing = index.get(entry.record_key) if index is not None else None
         if isinstance(existing, dict) and existing.get("shasum") != package.shasum:
-            raise BundleError(f"{entry['zip']}: the cache holds a different package under "
+            raise BundleError(f"{entry.zip}: the cache holds a different package under "
                               "this name")
-        changes.append((staged[entry["zip"]], [
-            "archives", provider.hostname, provider.namespace, provider.type,
-            entry["version"], entry["filename"]]))
-    for module, entry in modules:
-        parts = ["modules", module.hostname, module.namespace, module.name, module.system,
-                 f"{entry['version']}.tar.gz"]
-        target = store.path_for(parts)
-        if target.exists() and _sha256(target) != _sha256(staged[entry["archive"]]):
-            raise BundleError(f"{entry['archive']}: the cache holds a different module "
+        sums = staged[entry.sums].read_bytes()
+        held_sums = index.get(entry.sums_key) if index is not None else None
+        if isinstance(held_sums, dict):
+            if bytes(held_sums.get("sums", b"")) != sums:
+                raise BundleError(f"{entry.sums}: the cache holds a different SHA256SUMS "
+                                  "under this name")
+        else:
+            changes.set_record(entry.sums_key, {
+                "sums": sums, "signature": staged[entry.signature].read_bytes(),
+                "signed_by": "", "url": ""})
+        final = store.path_for(entry.archive_parts)
+        if isinstance(existing, dict) and regular_sha256(final) == package.shasum:
+            present += 1
+            continue
+        changes.put_file(staged[entry.zip], final)
+        changes.set_record(entry.record_key, asdict(package))
+    return present
+
+
+def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
+                  staged: dict[str, Path], listed: dict[str, tuple[int, str]],
+                  modules: Sequence[ModuleEntry]) -> int:
+    """Plan the module archives and their version lists; returns how many the cache
+    already holds. A different archive under the same name refuses the bundle."""
+    present = 0
+    for entry in modules:
+        final = store.path_for(entry.archive_parts)
+        held = regular_sha256(final)
+        if held == listed[entry.archive][1]:
+            present += 1
+        elif held is not None:
+            raise BundleError(f"{entry.archive}: the cache holds a different module "
                               "archive under this name")
-        changes.append((staged[entry["archive"]], parts))
-    return changes
-
-
-def _valid_version_entry(entry: object) -> bool:
-    if not isinstance(entry, dict) or not isinstance(entry.get("platforms"), list) \
-            or not isinstance(entry.get("protocols"), list) \
-            or not all(isinstance(p, str) for p in entry["protocols"]):
-        return False
-    try:
-        parse_version(entry["version"])
-        for key in entry["platforms"]:
-            Platform.from_key(key)
-    except (BadRequest, KeyError, TypeError):
-        return False
-    return True
+        else:
+            changes.put_file(staged[entry.archive], final)
+        plan_list(changes, index, f"module-versions/{entry.module}", [entry.version], str)
+    return present
 
 
 def import_mirror_directory(config: Config, directory: Path) -> Counts:
-    """Import what `terraform providers mirror` wrote: every zip is checked against the h1
-    (or zh) hashes its VERSION.json lists. No signatures exist there: such packages serve
-    the network mirror protocol, not the registry protocol."""
-    store = ArchiveStore(config.cache.dir)
-    index = _index(config)
-    found = []
-    try:
-        for zip_path in sorted(directory.glob("*/*/*/terraform-provider-*.zip")):
-            host_dir, namespace, type_ = zip_path.relative_to(directory).parts[:3]
-            try:
-                provider = ProviderAddress.parse(normalize_hostname(host_dir), namespace,
-                                                 type_)
-                version, platform = provider.parse_archive_filename(zip_path.name)
-            except BadRequest as exc:
-                raise BundleError(f"{zip_path}: {exc.message}") from None
-            document_path = zip_path.parent / f"{version}.json"
-            try:
-                listed = json.loads(document_path.read_text())["archives"][platform.key]
-                hashes = set(listed["hashes"])
-            except (OSError, ValueError, KeyError, TypeError):
-                raise BundleError(f"{document_path}: no hashes for {platform.key}") from None
-            copy = store.temp_file()  # check the copy that will be stored, not the source
-            shutil.copyfile(zip_path, copy)
-            try:
-                sha, h1 = _sha256(copy), h1_of_zip(copy)
-            except (zipfile.BadZipFile, OSError, ValueError):
-                raise BundleError(f"{zip_path}: not a valid zip") from None
-            if h1 not in hashes and f"zh:{sha}" not in hashes:
-                raise BundleError(f"{zip_path}: matches none of the hashes in "
-                                  f"{document_path.name}")
-            existing = index.get(f"package/{provider}/{version}/{platform.key}")
-            if isinstance(existing, dict) and existing.get("shasum") != sha:
-                raise BundleError(f"{zip_path}: the cache holds a different package under "
-                                  "this name")
-            found.append((provider, version, platform, copy, sha, h1, existing))
-        for provider, version, platform, copy, sha, h1, existing in found:
-            if isinstance(existing, dict):
-                copy.unlink()
-                continue  # the same package, maybe with more facts (signatures): keep those
-            size = copy.stat().st_size
-            _publish(store, copy, ["archives", provider.hostname, provider.namespace,
-                                   provider.type, version,
-                                   provider.archive_filename(version, platform)])
-            index.set(f"package/{provider}/{version}/{platform.key}", asdict(
-                VerifiedPackage(provider.archive_filename(version, platform), sha, h1, size)))
-            entry = {"version": version, "protocols": [], "platforms": [platform.key]}
-            _merge_list(index, f"versions/{provider}", [entry], lambda v: v["version"])
-        return Counts(len(found), 0)
-    finally:
-        index.close()
-        store.close()
-
-
-def _publish(store: ArchiveStore, source: Path, parts: list[str]) -> None:
-    final = store.path_for(parts)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(source, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(source, final)
-
-
-def _merge_list(index: diskcache.Cache, record_key: str, entries: list[Any],
-                identity: Callable[[Any], str]) -> None:
-    """Add entries to a cached list (version lists), keeping what is there; entries for the
-    same version merge their platforms. A new list is dated 0, so that an online proxy
-    refreshes it soon; offline, age does not matter."""
-    record = index.get(record_key)
-    current: list[Any] = list(record["value"]) if isinstance(record, dict) else []
-    for entry in entries:
-        same = next((c for c in current if identity(c) == identity(entry)), None)
-        if same is None:
-            current.append(entry)
-        elif isinstance(same, dict) and isinstance(entry, dict):
-            same["platforms"] = sorted(set(same.get("platforms", []))
-                                       | set(entry.get("platforms", [])))
-    index.set(record_key, {"fetched_at": record["fetched_at"] if isinstance(record, dict)
-                           else 0, "value": current})
+    """Import what `terraform providers mirror` wrote (see proxy.bundle_mirror)."""
+    imported, present = import_mirror(config, directory)
+    return Counts(imported, 0, present=present)
 
 
 def split_armored_keys(text: str) -> list[str]:

@@ -26,6 +26,17 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 # The manifest and its signature are read into memory; real ones are far smaller.
 _MAX_MANIFEST = 64 << 20
+# Every member's header is held until the manifest (written last) is read: bound them. A
+# bundle from `export` holds at most three members a package, one a module archive.
+MAX_MEMBERS = 100_000
+_BLOCK = tarfile.BLOCKSIZE
+_EXTENSIONS = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+               tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_MAX_EXTENSION = 1 << 20
+# What compressed files start with: `export` writes a plain tar, and a compressed stream
+# costs memory and time to scan before any signature can be checked.
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
+               (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
 class BundleError(Exception):
@@ -38,26 +49,86 @@ def file_entry(size: int, sha256: str) -> dict[str, Any]:
 
 
 def _safe_member(name: str) -> str:
-    # Printable only: names end up in messages on the operator's terminal.
+    """The member's name without "./" and doubled slashes; BundleError for one that could
+    point outside the bundle's tree or mislead a reader (absolute, "..", backslashes, control
+    characters: names end up in messages on the operator's terminal)."""
+    parts = name.split("/")
     normalized = posixpath.normpath(name)
-    if name.startswith("/") or normalized.startswith("..") or "\\" in name \
-            or not name.isprintable():
+    if not name or name.startswith("/") or ".." in parts or "\\" in name \
+            or not name.isprintable() or normalized in (".", ""):
         raise BundleError(f"unsafe member name {name[:200]!r}")
     return normalized
 
 
+def _kind(member: tarfile.TarInfo) -> str:
+    """What a tar member is, when it is not a plain file."""
+    if member.issym():
+        return f"a symbolic link (to {member.linkname[:200]!r})"
+    if member.islnk():
+        return f"a hard link (to {member.linkname[:200]!r})"
+    if member.isfifo():
+        return "a FIFO"
+    if member.ischr() or member.isblk():
+        return "a device"
+    if member.issparse():
+        return "a sparse file"
+    return f"of tar type {member.type!r}"
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A tar header whose extension records (pax headers, GNU long names) are small: tarfile
+    reads those into memory whole."""
+
+    @classmethod
+    def fromtarfile(cls, source: tarfile.TarFile) -> _BoundedTarInfo:
+        """The next header, refused if it announces an extension record too large."""
+        start = source.fileobj.tell()
+        block = source.fileobj.read(_BLOCK)
+        source.fileobj.seek(start)
+        try:
+            header = cls.frombuf(block, source.encoding, source.errors)
+        except tarfile.HeaderError:
+            header = None  # the stock parser below raises what tarfile expects
+        if header is not None and header.type in _EXTENSIONS and header.size > _MAX_EXTENSION:
+            raise BundleError(f"a tar extension header of {header.size} bytes at offset "
+                              f"{start}: not a bundle from `export`")
+        return super().fromtarfile(source)
+
+
+def open_bundle(path: Path) -> tarfile.TarFile:
+    """The bundle as a plain (uncompressed) tar, as `export` writes it."""
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(8)
+    except OSError as exc:
+        raise BundleError(f"not a readable tar bundle: {exc.strerror}") from None
+    for magic, kind in _COMPRESSED:
+        if start.startswith(magic):
+            raise BundleError(f"a {kind}-compressed file: import takes the plain tar that "
+                              "`export` writes (decompress it first)")
+    try:
+        return tarfile.open(path, "r:", tarinfo=_BoundedTarInfo)
+    except (OSError, tarfile.TarError) as exc:
+        raise BundleError(f"not a readable tar bundle: {exc}") from None
+
+
 def members_of(tar: tarfile.TarFile) -> dict[str, tarfile.TarInfo]:
     """The bundle's files by normalized name ("./x" from a repacked tar is "x"); links,
-    devices and a name given twice refuse the bundle."""
+    devices, a name given twice and more than MAX_MEMBERS members refuse the bundle."""
     members: dict[str, tarfile.TarInfo] = {}
-    for member in tar.getmembers():
+    count = 0
+    while (member := tar.next()) is not None:
+        count += 1  # headers are read one at a time: stop early on a flood of them
+        if count > MAX_MEMBERS:
+            raise BundleError(f"more than {MAX_MEMBERS} members: not a bundle from `export`")
         if member.isdir():
             continue  # repacked bundles may carry directory entries
         name = _safe_member(member.name)
-        if not member.isfile():
-            raise BundleError(f"{name}: not a regular file")
+        if not member.isfile() or member.issparse():
+            raise BundleError(f"{name}: {_kind(member)}, not a regular file")
         if name in members:
-            raise BundleError(f"{name}: appears twice in the bundle")
+            raise BundleError(f"{name}: appears twice in the bundle (as "
+                              f"{members[name].name!r} and {member.name!r})")
         members[name] = member
     return members
 
@@ -142,10 +213,14 @@ def stage(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
         source = tar.extractfile(members[name])
         assert source is not None
         digest = hashlib.sha256()
-        with open(target, "wb") as handle:
-            while chunk := source.read(_CHUNK):
-                digest.update(chunk)
-                handle.write(chunk)
+        try:
+            with open(target, "wb") as handle:
+                while chunk := source.read(_CHUNK):
+                    digest.update(chunk)
+                    handle.write(chunk)
+        except OSError as exc:
+            raise BundleError(f"{name}: cannot copy it out into the cache's temp area "
+                              f"({exc.strerror or exc})") from None
         if digest.hexdigest() != sha:
             raise BundleError(f"{name}: sha256 does not match the manifest")
         staged[name] = target

@@ -286,7 +286,7 @@ def _import(config: Config, args: argparse.Namespace) -> int:
                              "--trusted-keys to check), so only --allow-unsigned-bundle "
                              "imports it")
             counts = import_mirror_directory(config, args.bundle)
-            if counts.providers == 0:
+            if counts.providers + counts.present == 0:
                 return _fail(f"{args.bundle} holds no `terraform providers mirror` packages "
                              "(HOST/NAMESPACE/TYPE/terraform-provider-*.zip)")
         else:
@@ -301,14 +301,21 @@ def _import(config: Config, args: argparse.Namespace) -> int:
         return _fail(f"refused {args.bundle}: {exc}")
     origin = f"bundle signed by {counts.signed_by}" if counts.signed_by \
         else "origin not checked: --allow-unsigned-bundle"
+    present = f"; {counts.present} already in the cache" if counts.present else ""
     print(f"imported {counts.providers} provider packages, {counts.modules} module archives "
-          f"({origin})")
+          f"({origin}){present}")
     return 0
 
 
 def _fail(message: str) -> int:
-    print(f"tf-registry-proxy: {mask_secrets(message)}", file=sys.stderr)
+    print(f"tf-registry-proxy: {_printable(mask_secrets(message))}", file=sys.stderr)
     return 2
+
+
+def _printable(text: str) -> str:
+    # Messages may quote what a file or a peer sent: no control sequence reaches the
+    # operator's terminal, each is shown escaped.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def configure_logging(level: int | str, line_format: str) -> None:
