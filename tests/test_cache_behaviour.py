@@ -17,6 +17,8 @@ from aiohttp.test_utils import TestClient
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import load_config
+from proxy.module_registry import ModuleRegistry
+from proxy.provider_mirror import ProviderMirror
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
@@ -80,6 +82,40 @@ async def test_eviction_keeps_the_cache_under_its_limit(make: Make,
     response = await client.get(f"{BASE}/{zip_name('linux_amd64')}")
     assert await response.read() == release.zips["linux_amd64"]
     assert len(registry.archive_requests()) == 1
+
+
+@pytest.mark.parametrize("kind", ["package", "module"])
+async def test_file_evicted_right_after_it_was_found_is_fetched_again(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        kind: str) -> None:
+    """Another process sharing the cache may evict a file just after this one found it:
+    the client still gets the whole file, fetched again, not a bare 404."""
+    client = await make()
+    service: type[ProviderMirror] | type[ModuleRegistry]
+    if kind == "package":
+        path, service, upstream = f"{BASE}/{ZIP}", ProviderMirror, ZIP
+    else:
+        path, service, upstream = (f"{MODULE}/1.0.0/tarball-aws-1.0.0.tar.gz", ModuleRegistry,
+                                   "tarball-1.0.0.tgz")
+    whole = await (await client.get(path)).read()
+    assert whole
+    find = service.archive
+    evicted: list[Path] = []
+
+    async def evicted_once_found(self: Any, *args: Any) -> Any:
+        found = await find(self, *args)
+        if isinstance(found, Path) and not evicted:
+            found.unlink()
+            evicted.append(found)
+        return found
+
+    monkeypatch.setattr(service, "archive", evicted_once_found)
+    registry.requests.clear()
+    response = await client.get(path)
+    assert response.status == 200, (response.content_type, await response.text())
+    assert await response.read() == whole
+    assert evicted and evicted[0].read_bytes() == whole
+    assert [p for p in registry.paths() if p.endswith(upstream)] != []
 
 
 @pytest.mark.parametrize("damage", ["lose the index", "truncate the file"])
