@@ -46,6 +46,7 @@ from proxy.bundle_publish import (
     cache_work,
     check_room,
     existing_index,
+    measure,
     plan_list,
     regular_sha256,
 )
@@ -301,6 +302,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                 plan_list(changes, index, f"versions/{version_list.provider}",
                           list(version_list.entries), lambda v: v["version"])
         apply_changes(changes)
+        measure(store, changes)
     return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
                   signed_by=signed_by, present=old_packages + old_modules)
 

@@ -23,6 +23,7 @@ from proxy.bundle_publish import (
     check_room,
     existing_index,
     file_sha256,
+    measure,
     plan_list,
     regular_sha256,
 )
@@ -87,6 +88,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                     {"version": version, "protocols": [], "platforms": [platform.key]}],
                     lambda v: v["version"])
         apply_changes(changes)
+        measure(store, changes)
     return len(found) - present, present
 
 

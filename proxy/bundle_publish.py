@@ -8,6 +8,7 @@ room checked before copying, version lists merged."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sqlite3
@@ -26,6 +27,7 @@ from proxy.disk_space import free_bytes
 
 # diskcache's own files in the index directory; value files are anything else.
 _DATABASE = ("cache.db", "cache.db-wal", "cache.db-shm")
+log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 
 
@@ -44,6 +46,11 @@ class CacheChanges:
     def set_record(self, key: str, value: Any) -> None:
         """Write the index record key when applied."""
         self._records[key] = value
+
+    @property
+    def adds_files(self) -> bool:
+        """Whether applying moves any file into the cache."""
+        return bool(self._files)
 
     def record(self, key: str) -> Any:
         """The value planned for record key (None: none planned)."""
@@ -157,14 +164,21 @@ def cache_work(cache_dir: Path) -> Iterator[ArchiveStore]:
         yield store
     except BaseException:
         store.close()
-        for path in made:  # innermost first; only if empty
-            try:
-                path.rmdir()
-            except OSError:
-                pass
+        for path in made:  # innermost first
+            _remove_empty_tree(path)
         raise
     else:
         store.close()
+
+
+def _remove_empty_tree(directory: Path) -> None:
+    """Remove directory if nothing but empty directories is in it (what opening the store
+    made: its temp area, its lock directory); a file anywhere keeps it."""
+    for root, _dirs, _files in os.walk(directory, topdown=False):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
 
 
 @contextmanager
@@ -178,6 +192,19 @@ def existing_index(cache_dir: Path) -> Iterator[diskcache.Cache | None]:
         yield index
     finally:
         index.close()
+
+
+def measure(store: ArchiveStore, changes: CacheChanges) -> None:
+    """Count the cache's files again after an import that added some, so that running
+    proxies hold them against cache.max_size. Best effort: the import is done, and they
+    rescan anyway."""
+    if not changes.adds_files:
+        return
+    try:
+        store.measure()
+    except OSError as exc:
+        log.warning("could not record the cache's new size (%s); running proxies count it "
+                    "at their next rescan", exc.strerror or exc)
 
 
 def check_room(cache_dir: Path, needed: int, what: str) -> None:

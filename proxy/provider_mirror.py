@@ -189,7 +189,10 @@ class ProviderMirror:
         found = await self._archives.lookup(parts)
         if found is None:
             return None
-        size = (await aiofiles.os.stat(found)).st_size
+        try:
+            size = (await aiofiles.os.stat(found)).st_size
+        except FileNotFoundError:
+            return None  # evicted (by another process) since the lookup
         if self._verified_sizes.get(found) == size:
             return found
         package = await self.packages.stored_facts(provider, version, platform)

@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 
 from proxy import bundle_manifest
 from proxy.app import create_app
+from proxy.archives import ArchiveStore
 from proxy.bundle import import_bundle
 from proxy.bundle_manifest import BundleError
+from proxy.cache_usage import UsageLedger
 from proxy.config import load_config
 from proxy.hashes import h1_of_zip
 from tests.support.bundles import (
@@ -297,6 +299,22 @@ def test_counts_leave_out_what_the_cache_held(tmp_path: Path, exported: Exported
     assert out.startswith("imported 0 provider packages, 0 module archives"), out
     assert out.rstrip().endswith("; 6 already in the cache"), out
     assert changes_since(state, tmp_path / "inside") == []
+
+
+def test_running_proxies_count_what_an_import_added(tmp_path: Path,
+                                                    exported: Exported) -> None:
+    """The cache's shared usage record (what every process holds against cache.max_size)
+    includes the imported files."""
+    config = load_config(offline_config(tmp_path, "inside"), environ={})
+    store = ArchiveStore(config.cache.dir)
+    assert store.measure() == 0  # as a proxy starting on the empty cache records it
+    store.close()
+    import_bundle(config, exported.partial, None)
+    stored = [p for area in ("archives", "modules")
+              for p in (config.cache.dir / area).rglob("*") if p.is_file()]
+    usage = UsageLedger(config.cache.dir / "tmp" / "locks" / "usage.lock").peek()
+    assert usage is not None
+    assert (usage.bytes, usage.files) == (sum(p.stat().st_size for p in stored), len(stored))
 
 
 # --- what the bundle file is ------------------------------------------------------------

@@ -17,6 +17,8 @@ from aiohttp.test_utils import TestClient
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import load_config
+from proxy.module_registry import ModuleRegistry
+from proxy.provider_mirror import ProviderMirror
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
@@ -80,6 +82,40 @@ async def test_eviction_keeps_the_cache_under_its_limit(make: Make,
     response = await client.get(f"{BASE}/{zip_name('linux_amd64')}")
     assert await response.read() == release.zips["linux_amd64"]
     assert len(registry.archive_requests()) == 1
+
+
+@pytest.mark.parametrize("kind", ["package", "module"])
+async def test_file_evicted_right_after_it_was_found_is_fetched_again(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        kind: str) -> None:
+    """Another process sharing the cache may evict a file just after this one found it:
+    the client still gets the whole file, fetched again, not a bare 404."""
+    client = await make()
+    service: type[ProviderMirror] | type[ModuleRegistry]
+    if kind == "package":
+        path, service, upstream = f"{BASE}/{ZIP}", ProviderMirror, ZIP
+    else:
+        path, service, upstream = (f"{MODULE}/1.0.0/tarball-aws-1.0.0.tar.gz", ModuleRegistry,
+                                   "tarball-1.0.0.tgz")
+    whole = await (await client.get(path)).read()
+    assert whole
+    find = service.archive
+    evicted: list[Path] = []
+
+    async def evicted_once_found(self: Any, *args: Any) -> Any:
+        found = await find(self, *args)
+        if isinstance(found, Path) and not evicted:
+            found.unlink()
+            evicted.append(found)
+        return found
+
+    monkeypatch.setattr(service, "archive", evicted_once_found)
+    registry.requests.clear()
+    response = await client.get(path)
+    assert response.status == 200, (response.content_type, await response.text())
+    assert await response.read() == whole
+    assert evicted and evicted[0].read_bytes() == whole
+    assert [p for p in registry.paths() if p.endswith(upstream)] != []
 
 
 @pytest.mark.parametrize("damage", ["lose the index", "truncate the file"])
@@ -146,9 +182,10 @@ async def fill_every_platform(make: Make, registry: FakeRegistry, cache: Path) -
     for platform in PLATFORMS:
         response = await client.get(f"{BASE}/{zip_name(platform)}")
         assert await response.read() == release.zips[platform]
-    for platform in PLATFORMS:
+    for platform in PLATFORMS:  # h1 is recorded after the zip is published: wait for it
         key = LINUX_KEY.replace("linux_amd64", platform)
-        assert (await package_record(cache, key))["h1"] == zip_h1(release.zips[platform])
+        await eventually(lambda key=key, platform=platform: _recorded_h1_is(
+            cache, zip_h1(release.zips[platform]), key), f"the h1 of {platform}")
     await client.close()
 
 
@@ -217,8 +254,8 @@ async def test_damaged_stored_zip_is_dropped_and_never_poisons_the_version_docum
     assert document["archives"]["linux_amd64"]["hashes"] == expected["linux_amd64"]
 
 
-async def _recorded_h1_is(cache: Path, h1: str) -> bool:
-    return (await package_record(cache))["h1"] == h1
+async def _recorded_h1_is(cache: Path, h1: str, key: str = LINUX_KEY) -> bool:
+    return (await package_record(cache, key))["h1"] == h1
 
 
 async def test_damaged_stored_zip_is_left_out_offline(
