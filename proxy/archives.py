@@ -272,9 +272,9 @@ class ArchiveStore:
         return self.cache_dir.joinpath(*parts)
 
     async def lookup(self, parts: Sequence[str]) -> Path | None:
-        """The stored file, if present."""
+        """The stored file, if present (a hit's first call: on the quick pool)."""
         path = self.path_for(parts)
-        return path if await aiofiles.os.path.isfile(path) else None
+        return path if await quick(os.path.isfile, path) else None
 
     def temp_file(self) -> Path:
         """A fresh temp file name (not created)."""

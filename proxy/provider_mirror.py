@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import aiofiles.os
 
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.config import UpstreamConfig
@@ -190,7 +189,7 @@ class ProviderMirror:
         if found is None:
             return None
         try:
-            size = (await aiofiles.os.stat(found)).st_size
+            size = (await quick(os.stat, found)).st_size  # a hit: on the quick pool
         except FileNotFoundError:
             return None  # evicted (by another process) since the lookup
         if self._verified_sizes.get(found) == size:
