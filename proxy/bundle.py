@@ -18,6 +18,7 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from proxy.models import (
     parse_module_version,
     parse_version,
 )
+from proxy.module_packing import read_packed
+from proxy.module_registry import module_archive_key, recorded_sha256
 from proxy.registry_documents import parse_sha256sums, without_upstream_urls
 from proxy.settings import Config
 from proxy.signatures import verify_detached
@@ -140,16 +143,24 @@ def export_bundle(config: Config, output: Path,
                                     "providers": [], "modules": [], "versions": {},
                                     "files": {}}
         temp = output.with_name(output.name + ".part")
-        with tarfile.open(temp, "w") as tar:
+        with _removed_on_failure(temp), tarfile.open(temp, "w") as tar:
             def add_data(member: str, data: bytes) -> None:
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
 
-            def add(member: str, path: Path | None = None, data: bytes | None = None) -> None:
+            def add(member: str, path: Path | None = None, data: bytes | None = None,
+                    stored_with: str | None = None, what: str = "") -> None:
                 if path is not None:
-                    manifest["files"][member] = file_entry(path.stat().st_size,
-                                                           _sha256(path))
+                    digest = _sha256(path)
+                    # Never sign a file damaged or altered on disk since it was stored.
+                    if stored_with is not None and digest != stored_with.lower():
+                        raise BundleError(
+                            f"{what}: {path} does not match the sha256 it was stored with "
+                            "(damaged or altered on disk); nothing was exported. Delete "
+                            "that file (the proxy fetches it again when next asked for it) "
+                            "and export again")
+                    manifest["files"][member] = file_entry(path.stat().st_size, digest)
                     tar.add(str(path), arcname=member, recursive=False)
                 else:
                     assert data is not None
@@ -166,7 +177,8 @@ def export_bundle(config: Config, output: Path,
                 base = f"providers/{provider}/{version}"
                 # Records of older releases still hold upstream's (maybe presigned) URLs.
                 document = record.get("document")
-                entry = {**record, "hostname": provider.hostname,
+                entry = {**{k: v for k, v in record.items() if k != "stored_as"},
+                         "hostname": provider.hostname,
                          "namespace": provider.namespace, "type": provider.type,
                          "version": version, "platform": platform.key,
                          "zip": f"{base}/{path.name}",
@@ -174,7 +186,8 @@ def export_bundle(config: Config, output: Path,
                          "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig",
                          "document": without_upstream_urls(document)
                          if isinstance(document, dict) else None}
-                add(entry["zip"], path=path)
+                add(entry["zip"], path=path, stored_with=record["shasum"],
+                    what=f"{provider} {version} {platform.key}")
                 if entry["sums"] not in manifest["files"]:
                     add(entry["sums"], data=bytes(sums["sums"]))
                     add(entry["signature"], data=bytes(sums["signature"]))
@@ -187,7 +200,10 @@ def export_bundle(config: Config, output: Path,
                 if not _selected(requirements, module, version, held):
                     continue
                 member = f"modules/{module}/{path.name}"
-                add(member, path=path)
+                recorded = recorded_sha256(index.get(module_archive_key(module, version)))
+                if recorded is None:  # stored before sha256s were recorded
+                    _require_intact_module(module, version, path)
+                add(member, path=path, stored_with=recorded, what=f"module {module} {version}")
                 manifest["modules"].append({
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
@@ -211,6 +227,27 @@ def export_bundle(config: Config, output: Path,
     finally:
         index.close()
         store.close()
+
+
+@contextmanager
+def _removed_on_failure(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _require_intact_module(module: ModuleAddress, version: str, path: Path) -> None:
+    """A module archive no recorded sha256 vouches for must at least read as an intact
+    .tar.gz (gzip's checksum covers every byte)."""
+    with open(path, "rb") as handle:
+        try:
+            read_packed(handle)
+        except ValueError as exc:
+            raise BundleError(f"module {module} {version}: {path} is damaged ({exc}); "
+                              "nothing was exported. Delete that file (the proxy fetches it "
+                              "again when next asked for it) and export again") from None
 
 
 # --- import ----------------------------------------------------------------------------
