@@ -1,8 +1,9 @@
 """Artifact file store: a file is written to a temp file under `<cache>/tmp` and renamed into
 place only once verified, so a partial or corrupt file is never visible. Readers may follow
 a download while it is written (GrowingFile). The store also keeps the cache within its size
-limit, least recently used first, never deleting a file in use. A file's access time is its
-LRU clock; its modification time stays that of its bytes (see proxy.file_identity)."""
+limit, least recently used first, counting what every process sharing the directory wrote
+and never deleting a file that any of them is sending. A file's access time is its LRU
+clock; its modification time stays that of its bytes (see proxy.file_identity)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
 import time
 import uuid
 import zipfile
-from collections import Counter
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -26,7 +27,6 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -34,6 +34,13 @@ from typing import BinaryIO
 import aiofiles
 import aiofiles.os
 
+from proxy.cache_usage import (
+    HeldLedger,
+    Usage,
+    UsageLedger,
+    evict_least_recently_used,
+    mark_in_use,
+)
 from proxy.disk_space import DiskSpace, is_out_of_space
 from proxy.errors import IntegrityError, UpstreamError
 from proxy.executors import quick, quick_soon, slow
@@ -48,6 +55,12 @@ _AREAS = ("archives", "modules")
 _TOUCH_INTERVAL = 60.0
 # Eviction frees down to this share of the limit, so it does not run on every fill.
 _LOW_WATER = 0.9
+# Fill locks: a fixed set of lock files, chosen by a hash of the artifact, so that they never
+# pile up. Two artifacts that share one fill one after the other.
+LOCK_STRIPES = 1024
+# The shared usage record is replaced by a full scan at least this often, so that files a
+# crash left uncounted (placed, not yet recorded) cannot push the cache past its limit for long.
+_RESCAN_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,7 @@ class GrowingFile:
         except FileNotFoundError:
             # Already renamed into place (or removed after a failure).
             handle = await aiofiles.open(await self.wait_done(), "rb")
+        mark_in_use(handle.fileno())  # the same file once published: eviction skips it
         offset = 0
         try:
             while True:
@@ -155,12 +169,14 @@ class ArchiveStore:
         self.tmp = self.tmp_root / f"p{os.getpid()}-{pending.name[len(_PENDING):]}"
         os.rename(pending, self.tmp)
         self.max_size = max_size
+        self._locks = self.tmp_root / _LOCKS
+        self._locks.mkdir(exist_ok=True)
+        # Shared by every process: used_bytes and file_count are this process's latest view.
+        self._usage = UsageLedger(self._locks / _USAGE)
         self.used_bytes = 0
         self.file_count = 0
         self._on_evict = on_evict
-        self._in_use: Counter[Path] = Counter()
         self._touched: dict[Path, float] = {}
-        self._evicting = asyncio.Lock()
 
     def close(self) -> None:
         """Remove this process's temp directory (a clean shutdown)."""
@@ -185,19 +201,58 @@ class ArchiveStore:
             else:
                 leftover.unlink(missing_ok=True)
             removed += 1
+        self._sweep_unstriped_locks()
         return removed
 
+    def _sweep_unstriped_locks(self) -> None:
+        # Earlier versions kept one lock file per artifact, forever. Removing one that an
+        # old process still holds costs at most a second download of that artifact (both
+        # verified, both renamed into place whole), during an upgrade.
+        old = [entry for entry in self._locks.iterdir() if _UNSTRIPED_LOCK.fullmatch(entry.name)]
+        for entry in old:
+            entry.unlink(missing_ok=True)
+        if old:
+            log.info("removed %d per-artifact lock files of an earlier version", len(old))
+
     def lock_path(self, key: str) -> Path:
-        """A lock file that serializes the fill of one artifact across processes."""
-        locks = self.tmp_root / _LOCKS
-        locks.mkdir(exist_ok=True)
-        return locks / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock")
+        """The lock file that serializes the fill of one artifact across processes: one of
+        LOCK_STRIPES, so their number stays bounded."""
+        stripe = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % LOCK_STRIPES
+        return self._locks / f"stripe-{stripe:04d}.lock"
 
     def measure(self) -> int:
-        """Add up the stored files (at start-up); returns the total in bytes."""
+        """Add up the stored files and record the total for every process sharing the cache
+        (at start-up, after an import; blocks); returns the total in bytes."""
+        with self._usage.locked() as ledger:
+            usage = self._scan()
+            ledger.write(usage)
+        self._note(usage)
+        return usage.bytes
+
+    def reread_usage(self) -> None:
+        """Refresh used_bytes and file_count from the shared record, which every process
+        updates (blocks briefly); keeps the last values while a holder rewrites it."""
+        usage = self._usage.peek()
+        if usage is not None:
+            self._note(usage)
+
+    def _note(self, usage: Usage) -> None:
+        self.used_bytes, self.file_count = usage.bytes, usage.files
+
+    def _scan(self) -> Usage:
         sizes = [size for _path, size, _used in self._files()]
-        self.used_bytes, self.file_count = sum(sizes), len(sizes)
-        return self.used_bytes
+        return Usage(sum(sizes), len(sizes), time.time())
+
+    def _record(self, ledger: HeldLedger, size: int, files: int) -> Usage:
+        """Add a change to the shared record, or scan afresh when the record is missing,
+        damaged or old (the scan already includes the change)."""
+        usage = ledger.read()
+        if usage is None or not 0 <= time.time() - usage.scanned <= _RESCAN_SECONDS:
+            usage = self._scan()
+        else:
+            usage = usage.plus(size, files)
+        ledger.write(usage)
+        return usage
 
     def _files(self) -> Iterator[tuple[Path, int, float]]:
         for area in _AREAS:
@@ -250,16 +305,16 @@ class ArchiveStore:
 
     # --- use and recency -----------------------------------------------------------------
 
-    @contextmanager
-    def using(self, path: Path) -> Iterator[None]:
-        """Mark a file as being sent: eviction leaves it alone meanwhile."""
-        self._in_use[path] += 1
+    def open_to_send(self, path: Path) -> BinaryIO | None:
+        """Open a stored file to send it, marked in use until the handle is closed: eviction
+        by any process sharing the cache leaves it alone meanwhile. None if the file is gone
+        (evicted since it was looked up). Blocks: run it in a thread."""
         try:
-            yield
-        finally:
-            self._in_use[path] -= 1
-            if self._in_use[path] <= 0:
-                del self._in_use[path]
+            handle = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        mark_in_use(handle.fileno())
+        return handle
 
     def touch(self, path: Path) -> None:
         """Record a use (the file's access time is the LRU clock), at most once a minute."""
@@ -271,66 +326,75 @@ class ArchiveStore:
     # --- publishing and eviction ---------------------------------------------------------
 
     async def publish(self, temp: Path, parts: Sequence[str]) -> Path:
-        """Move a finished temp file into place atomically, then keep within the limit."""
+        """Move a finished temp file into place atomically, record it in the shared usage,
+        then keep the cache (all processes' files) within the limit."""
         final = self.path_for(parts)
         size = (await aiofiles.os.stat(temp)).st_size
+        added = 0
         try:
             size -= (await aiofiles.os.stat(final)).st_size  # replacing an older copy
         except FileNotFoundError:
-            self.file_count += 1
+            added = 1
         await quick(final.parent.mkdir, parents=True, exist_ok=True)
         await aiofiles.os.replace(temp, final)
-        self.used_bytes += size
+        # Recorded after the rename: an eviction scanning in between counts the file twice,
+        # which only makes the next eviction check (a fresh scan) come early.
+        usage = await self._usage.run_locked(lambda ledger: self._record(ledger, size, added))
+        self._note(usage)
         self._touched[final] = time.monotonic()
-        if self.max_size is not None and self.used_bytes > self.max_size:
+        if self.max_size is not None and usage.bytes > self.max_size:
             await self.evict(keep=final)
         return final
 
     async def evict(self, keep: Path | None = None) -> int:
-        """Delete least recently used files until under the low-water mark; returns how many.
-        Files in use, and `keep`, stay."""
+        """If the files on disk (every process's) exceed the limit, delete the least recently
+        used until under the low-water mark; returns how many went. Files any process is
+        sending, and `keep`, stay. One process evicts at a time, from a fresh scan."""
         if self.max_size is None:
             return 0
-        async with self._evicting:
-            target = int(self.max_size * _LOW_WATER)
-            # A walk over every stored file: slow work, kept away from hits.
-            candidates = await slow(lambda: sorted(self._files(), key=lambda f: f[2]))
-            self.used_bytes = sum(size for _p, size, _used in candidates)
-            self.file_count = len(candidates)
-            removed = 0
-            for path, size, _used in candidates:
-                if self.used_bytes <= target:
-                    break
-                if path == keep or path in self._in_use:
-                    continue
-                await quick(path.unlink, True)
-                self._touched.pop(path, None)
-                self.used_bytes -= size
-                self.file_count -= 1
-                removed += 1
-                log.info("evicted %s (%d bytes) to keep the cache under %d bytes",
-                         path.relative_to(self.cache_dir), size, self.max_size)
-                if self._on_evict is not None:
-                    self._on_evict(1, size)
-            return removed
+        removed, usage = await self._usage.run_locked(
+            lambda ledger: self._evict_locked(ledger, keep))
+        self._note(usage)
+        for path, size in removed:
+            self._touched.pop(path, None)
+            log.info("evicted %s (%d bytes) to keep the cache under %d bytes",
+                     path.relative_to(self.cache_dir), size, self.max_size)
+            if self._on_evict is not None:
+                self._on_evict(1, size)
+        return len(removed)
+
+    def _evict_locked(self, ledger: HeldLedger, keep: Path | None
+                      ) -> tuple[list[tuple[Path, int]], Usage]:
+        assert self.max_size is not None
+        removed, usage = evict_least_recently_used(list(self._files()), self.max_size,
+                                                   int(self.max_size * _LOW_WATER), keep)
+        ledger.write(usage)
+        return removed, usage
 
     async def discard(self, path: Path, identity: FileIdentity | None) -> bool:
         """Delete a stored file found damaged, unless another file replaced it since it was
         read (identity: of the file read; None: whatever is there). Returns whether a file
         went."""
+        usage = await self._usage.run_locked(
+            lambda ledger: self._discard_locked(ledger, path, identity))
+        if usage is None:
+            return False
+        self._note(usage)
+        self._touched.pop(path, None)
+        return True
+
+    def _discard_locked(self, ledger: HeldLedger, path: Path,
+                        identity: FileIdentity | None) -> Usage | None:
         try:
-            info = await aiofiles.os.stat(path)
+            info = path.stat()
             # The whole identity, not the inode alone: a fill's new file may reuse the inode
             # number the dropped one freed.
             if identity is not None and identity_of(info) != identity:
-                return False
-            await aiofiles.os.unlink(path)
+                return None
+            path.unlink()
         except FileNotFoundError:
-            return False
-        self.used_bytes -= info.st_size
-        self.file_count -= 1
-        self._touched.pop(path, None)
-        return True
+            return None
+        return self._record(ledger, -info.st_size, -1)
 
     async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
                     expected_sha256: str, progress: GrowingFile | None = None,
@@ -393,6 +457,8 @@ _LOCK_NAME = ".owner.lock"
 _YOUNG_SECONDS = 60.0
 _PENDING = ".new-"
 _LOCKS = "locks"
+_USAGE = "usage.lock"
+_UNSTRIPED_LOCK = re.compile(r"[0-9a-f]{32}\.lock")
 
 
 def _held_by_a_live_process(lock_file: Path) -> bool:

@@ -371,6 +371,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
         # index records that vouch for them.
         for source, parts in changes:
             _publish(store, source, parts)
+        store.measure()  # running proxies count what was added against cache.max_size
         for entry, package in verified:
             provider = ProviderAddress(entry["hostname"], entry["namespace"], entry["type"])
             key = f"{provider}/{entry['version']}"
@@ -499,6 +500,7 @@ def import_mirror_directory(config: Config, directory: Path) -> Counts:
                 VerifiedPackage(provider.archive_filename(version, platform), sha, h1, size)))
             entry = {"version": version, "protocols": [], "platforms": [platform.key]}
             _merge_list(index, f"versions/{provider}", [entry], lambda v: v["version"])
+        store.measure()  # running proxies count what was added against cache.max_size
         return Counts(len(found), 0)
     finally:
         index.close()

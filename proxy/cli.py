@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -56,7 +57,7 @@ from proxy.tls import (
     rotate_ca,
     ssl_context,
 )
-from proxy.tls_server import HandshakeFailures, TlsSite
+from proxy.tls_server import HandshakeFailures, TlsSite, open_connections
 from proxy.warm import summary as warm_summary
 from proxy.warm import warm, warm_cache
 from proxy.warm_sources import SourceError, read_sources
@@ -457,22 +458,25 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
         JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
     access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
     runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
-                         access_log_class=access_class)
+                         access_log_class=access_class,
+                         keepalive_timeout=server.keepalive_timeout)
     try:
         await runner.setup()  # opens the cache: its directories, the index
     except (SigningKeyError, OSError, sqlite3.Error) as exc:
-        await runner.cleanup()  # what the start opened before it failed (the thread pools)
+        with contextlib.suppress(Exception):  # close what started before the failure
+            await runner.app.cleanup()
         if isinstance(exc, SigningKeyError):  # damaged, or the state directory not writable
             return _fail(f"cannot start: {exc}")
         return _fail(describe_start_failure(config.cache.dir, exc))  # e.g. a full disk
     trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
                   else "clients must trust the CA that issued server.tls_cert")
     failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)
+    connections = open_connections(server, runner.app[METRICS_KEY])
     # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
     hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
     try:
         for host in hosts:
-            await TlsSite(runner, host, server.port, context, failures,
+            await TlsSite(runner, host, server.port, context, failures, connections,
                           reuse_port=reuse_port or None).start()
     except OSError as exc:
         await runner.cleanup()

@@ -172,10 +172,20 @@ class _Parser:
         shutdown_timeout = self._number("server.shutdown_timeout", table, "shutdown_timeout",
                                         defaults.shutdown_timeout)
         state_dir = self._path("server.state_dir", table, "state_dir") or default_state_dir()
+
+        def seconds(key: str) -> float:
+            return self._number(f"server.{key}", table, key, getattr(defaults, key))
+
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
                             access_log=access_log, workers=workers, event_loop=event_loop,
-                            shutdown_timeout=shutdown_timeout, state_dir=state_dir)
+                            shutdown_timeout=shutdown_timeout, state_dir=state_dir,
+                            tls_handshake_timeout=seconds("tls_handshake_timeout"),
+                            request_head_timeout=seconds("request_head_timeout"),
+                            keepalive_timeout=seconds("keepalive_timeout"),
+                            max_connections=self._whole("server.max_connections", table,
+                                                        "max_connections",
+                                                        defaults.max_connections))
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
         self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",

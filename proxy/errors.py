@@ -44,6 +44,12 @@ class Offline(NotFound):
     """The proxy is in offline mode and does not hold what was asked for."""
 
 
+class Unavailable(ProxyError):
+    """The proxy cannot answer this right now; the same request may succeed later."""
+
+    status = 503
+
+
 class UpstreamError(ProxyError):
     """Upstream failed or answered something the proxy cannot use."""
 

@@ -71,6 +71,9 @@ def _cache_write_problem(directory: Path) -> str | None:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition."""
+    archives = request.app.get(ARCHIVES_KEY)
+    if archives is not None:  # the cache's size as every process sharing it left it
+        await quick(archives.reread_usage)
     body = request.app[METRICS_KEY].render()
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -96,8 +99,8 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
                 archive["url"] += "?" + signer.query(f"{directory}/{archive['url']}")
         return json_response(document)
     if name.endswith(".zip"):
-        source = await mirror.archive(provider, name)
-        return await send_file(request, source, "application/zip", request.app[ARCHIVES_KEY],
+        return await send_file(request, lambda: mirror.archive(provider, name),
+                               "application/zip", request.app[ARCHIVES_KEY],
                                request.app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
 
@@ -196,8 +199,8 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
         response.headers["X-Terraform-Get"] = location
         return response
     if action == f"{module.name}-{module.system}-{version}.tar.gz":
-        path = await registry.archive(module, version)
-        return await send_file(request, path, "application/gzip", request.app[ARCHIVES_KEY],
+        return await send_file(request, lambda: registry.archive(module, version),
+                               "application/gzip", request.app[ARCHIVES_KEY],
                                request.app[METRICS_KEY].served_bytes.labels("module"))
     raise NotFound(f"no such module document {action[:120]!r}")
 

@@ -63,6 +63,18 @@ class Metrics:
             "tfproxy_cache_disk_full", "Writes into the cache that found its disk full "
             "(ENOSPC, EDQUOT), or files refused as too large for the space left, by kind "
             "(package, module, index).", ["kind"], registry=self.registry)
+        self.open_connections = Gauge(
+            "tfproxy_open_connections", "Client connections open in this process, TLS "
+            "handshakes under way included.", registry=self.registry)
+        self.max_connections = Gauge(
+            "tfproxy_max_connections", "server.max_connections: beyond it, new connections "
+            "wait in the listen backlog.", registry=self.registry)
+        self.connection_limit_waits = Counter(
+            "tfproxy_connection_limit_waits", "Times this process stopped accepting "
+            "connections because server.max_connections were open.", registry=self.registry)
+        self.connections_cut = Counter(
+            "tfproxy_connections_cut", "Client connections closed because the client was too "
+            "slow (handshake_timeout, head_timeout).", ["reason"], registry=self.registry)
         self.fills_in_flight = Gauge(
             "tfproxy_fills_in_flight", "Upstream fills under way.", registry=self.registry)
 

@@ -8,8 +8,9 @@ import json
 import logging
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -17,7 +18,8 @@ from prometheus_client import Counter
 
 from proxy.access_log import CACHE_RESULT_KEY
 from proxy.archives import ArchiveStore, GrowingFile
-from proxy.errors import InsufficientStorage, IntegrityError, ProxyError
+from proxy.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
+from proxy.executors import quick
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +30,44 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
-async def send_file(request: web.Request, source: Path | GrowingFile, content_type: str,
-                    store: ArchiveStore, served: Counter) -> web.StreamResponse:
-    """A stored file by sendfile, or a download under way as its bytes arrive. Either is sent
-    here, inside the error middleware: a failure before the headers becomes a JSON error, one
-    after them cuts the connection (see `abort_after_headers`)."""
-    request[CACHE_RESULT_KEY] = "hit" if isinstance(source, Path) else "miss"
-    if isinstance(source, GrowingFile) and request.method == "HEAD":
-        source = await source.wait_done()  # noqa: ASYNC240 - not a pathlib call
-    if isinstance(source, Path):
-        store.touch(source)
-        sent = _InUseFileResponse(source, store, served, headers={"Content-Type": content_type})
-        await sent.prepare(request)
+# A stored file may leave the cache (another process evicted it) between being found and
+# being opened; it is then looked up again, which fetches it anew. Never in a loop.
+_FIND_ATTEMPTS = 3
+
+
+async def send_file(request: web.Request, find: Callable[[], Awaitable[Path | GrowingFile]],
+                    content_type: str, store: ArchiveStore,
+                    served: Counter) -> web.StreamResponse:
+    """What `find` returns: a stored file by sendfile, or a download under way as its bytes
+    arrive. Either is sent here, inside the error middleware: a failure before the headers
+    becomes a JSON error, one after them cuts the connection (see `abort_after_headers`). A
+    stored file is opened, and marked in use, before anything is sent."""
+    for _attempt in range(_FIND_ATTEMPTS):
+        source = await find()
+        request[CACHE_RESULT_KEY] = "hit" if isinstance(source, Path) else "miss"
+        if isinstance(source, GrowingFile):
+            if request.method != "HEAD":
+                return await _stream(request, source, content_type, served)
+            source = await source.wait_done()
+        handle = await quick(store.open_to_send, source)
+        if handle is None:
+            log.info("%s left the cache before it could be sent; looking it up again",
+                     source.name)
+            continue
+        try:
+            store.touch(source)
+            sent = _OpenFileResponse(handle, source, served,
+                                     headers={"Content-Type": content_type})
+            await sent.prepare(request)
+        finally:
+            handle.close()
         return sent
+    raise Unavailable("the file kept leaving the cache before it could be sent (the cache "
+                      "is too small for its load); try again")
+
+
+async def _stream(request: web.Request, source: GrowingFile, content_type: str,
+                  served: Counter) -> web.StreamResponse:
     streamed = web.StreamResponse(headers={"Content-Type": content_type})
     if source.size is not None:
         streamed.content_length = source.size
@@ -109,22 +136,27 @@ def _reset_connection(request: web.Request) -> None:
     transport.abort()
 
 
-class _InUseFileResponse(web.FileResponse):
-    """sendfile, with the file marked in use while it is sent (eviction leaves it alone)."""
+# FileResponse opens what it sends by name. On Linux, the name of an open descriptor names
+# exactly the file that was opened (and marked in use), even once it is deleted: no bare 404
+# if it leaves the cache meanwhile. Elsewhere, the mark keeps eviction away from the path.
+_OPEN_FILES = Path("/proc/self/fd")
+_NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
 
-    def __init__(self, path: Path, store: ArchiveStore, served: Counter,
+
+class _OpenFileResponse(web.FileResponse):
+    """sendfile of a stored file this request already opened; counts the bytes sent."""
+
+    def __init__(self, handle: BinaryIO, path: Path, served: Counter,
                  headers: dict[str, str]) -> None:
-        super().__init__(path, headers=headers)
-        self._in_use_path = path
-        self._store = store
+        super().__init__(_OPEN_FILES / str(handle.fileno()) if _NAMES_OPEN_FILES else path,
+                         headers=headers)
         self._served = served
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         if self.prepared:
             # Sent by the handler already; aiohttp calls prepare again when it finishes.
             return await web.StreamResponse.prepare(self, request)
-        with self._store.using(self._in_use_path):
-            writer = await super().prepare(request)
+        writer = await super().prepare(request)
         if request.method != "HEAD" and self.status == 200 and self.content_length:
             self._served.inc(self.content_length)
         return writer

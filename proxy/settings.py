@@ -55,6 +55,12 @@ class ServerConfig:
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
     # Seconds responses under way get to finish on SIGTERM before they are cut.
     shutdown_timeout: float = 30.0
+    # Bounds on clients that connect and then stall (a slow-loris), far above what a real
+    # client needs: Terraform's own HTTP client gives up a TLS handshake after 10 s.
+    tls_handshake_timeout: float = 10.0  # also bounds the TLS close exchange
+    request_head_timeout: float = 20.0  # a request line and headers, from their first byte
+    keepalive_timeout: float = 75.0  # idle between requests (above load balancers' 60 s)
+    max_connections: int = 1000  # per process; beyond it new ones wait in the listen backlog
     # The generated CA, the server certificate and the URL-signing key: state that clients
     # depend on, so never under cache.dir.
     state_dir: Path = field(default_factory=default_state_dir)
@@ -200,7 +206,8 @@ class Config:
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
-               "workers", "event_loop", "shutdown_timeout", "state_dir"),
+               "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
+               "request_head_timeout", "keepalive_timeout", "max_connections"),
     "cache": ("dir", "max_size"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

@@ -7,7 +7,9 @@ import hashlib
 import io
 import os
 import random
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -16,6 +18,7 @@ import pytest
 
 import proxy.stored_hashes
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.cache_usage import UsageLedger
 from proxy.errors import IntegrityError
 from proxy.file_identity import identity_of
 from proxy.hashes import h1_of_zip
@@ -103,7 +106,9 @@ async def test_eviction_is_lru_and_spares_files_in_use(tmp_path: Path) -> None:
     assert store.used_bytes == 2000
 
     store.max_size = 1500
-    with store.using(paths[1]):  # being sent: stays although it is the oldest
+    sending = store.open_to_send(paths[1])  # stays although it is the oldest
+    assert sending is not None
+    with sending:
         assert await store.evict() == 1
     assert [p.exists() for p in paths] == [False, True, False]
     assert store.measure() == 1000
@@ -131,6 +136,89 @@ async def test_a_use_moves_a_file_up_the_lru_and_leaves_its_mtime_alone(
     store.max_size = 2500
     assert await store.evict() == 1
     assert [p.exists() for p in paths] == [True, False, True]  # f1 is now the oldest
+
+
+async def test_size_limit_counts_what_every_store_on_the_directory_wrote(
+        tmp_path: Path) -> None:
+    # Two stores on one directory, as two processes sharing a cache have.
+    first, second = ArchiveStore(tmp_path, max_size=2500), ArchiveStore(tmp_path, max_size=2500)
+    for index, store in enumerate((first, second, first, second)):
+        temp = store.temp_file()
+        temp.write_bytes(b"x" * 1000)
+        await store.publish(temp, ["archives", "h", "n", "t", "1.0.0", f"f{index}.zip"])
+    on_disk = [p.stat().st_size for p in (tmp_path / "archives").rglob("*.zip")]
+    assert sum(on_disk) <= 2500
+    for store in (first, second):  # each reports the directory, not its own writes
+        store.reread_usage()
+        assert (store.used_bytes, store.file_count) == (sum(on_disk), len(on_disk))
+
+
+async def test_lock_files_stay_a_bounded_set_however_many_artifacts_are_filled(
+        tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    for index in range(3000):
+        async with FillLock(store.lock_path(f"registry.terraform.io/acme/p{index}/1.0.0/"
+                                            "linux_amd64")):
+            pass
+    assert len(list((tmp_path / "tmp" / "locks").iterdir())) <= 1024
+
+
+async def test_artifacts_sharing_a_fill_lock_fill_one_after_the_other(tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path)
+    first_key = "registry.terraform.io/acme/a/1.0.0/linux_amd64"
+    shared = store.lock_path(first_key)
+    second_key = next(key for key in (f"module/acme/m{index}/aws/1.0.0" for index in range(10**5))
+                      if store.lock_path(key) == shared)
+    order: list[str] = []
+
+    async def fill(key: str, hold: float) -> None:
+        async with FillLock(store.lock_path(key)):
+            order.append(f"{key} in")
+            await asyncio.sleep(hold)
+            order.append(f"{key} out")
+
+    first = asyncio.create_task(fill(first_key, 0.1))
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(asyncio.gather(fill(second_key, 0), first), 5)
+    assert order == [f"{first_key} in", f"{first_key} out", f"{second_key} in",
+                     f"{second_key} out"]
+
+
+async def test_files_left_uncounted_are_counted_by_the_next_periodic_scan(
+        tmp_path: Path) -> None:
+    store = ArchiveStore(tmp_path, max_size=10_000)
+    store.measure()
+    # Renamed into place by a process that died before recording it.
+    uncounted = tmp_path / "archives" / "h" / "n" / "t" / "1.0.0" / "lost.zip"
+    uncounted.parent.mkdir(parents=True)
+    uncounted.write_bytes(b"x" * 3000)
+    temp = store.temp_file()
+    temp.write_bytes(b"x" * 1000)
+    await store.publish(temp, ["archives", "h", "n", "t", "1.0.0", "a.zip"])
+    assert store.used_bytes == 1000  # recorded incrementally: the lost file is not seen yet
+    with UsageLedger(tmp_path / "tmp" / "locks" / "usage.lock").locked() as ledger:
+        recorded = ledger.read()
+        assert recorded is not None
+        ledger.write(replace(recorded, scanned=time.time() - 3600))  # an hour since a scan
+    temp = store.temp_file()
+    temp.write_bytes(b"x" * 1000)
+    await store.publish(temp, ["archives", "h", "n", "t", "1.0.0", "b.zip"])
+    assert (store.used_bytes, store.file_count) == (5000, 3)
+
+
+def test_per_artifact_lock_files_of_earlier_versions_are_swept(tmp_path: Path) -> None:
+    locks = tmp_path / "tmp" / "locks"
+    locks.mkdir(parents=True)
+    old = [locks / (hashlib.sha256(str(i).encode()).hexdigest()[:32] + ".lock")
+           for i in range(50)]
+    for lock in old:
+        lock.touch()
+    store = ArchiveStore(tmp_path)
+    stripe = store.lock_path("registry.terraform.io/acme/a/1.0.0/linux_amd64")
+    stripe.touch()
+    store.measure()  # writes the shared usage record
+    store.sweep_temp()
+    assert sorted(locks.iterdir()) == sorted([stripe, locks / "usage.lock"])
 
 
 async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path) -> None:

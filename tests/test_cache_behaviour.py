@@ -22,6 +22,8 @@ import proxy.stored_hashes
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import load_config
+from proxy.module_registry import ModuleRegistry
+from proxy.provider_mirror import ProviderMirror
 from proxy.verified_packages import VerifiedPackages
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
@@ -88,6 +90,40 @@ async def test_eviction_keeps_the_cache_under_its_limit(make: Make,
     assert len(registry.archive_requests()) == 1
 
 
+@pytest.mark.parametrize("kind", ["package", "module"])
+async def test_file_evicted_right_after_it_was_found_is_fetched_again(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        kind: str) -> None:
+    """Another process sharing the cache may evict a file just after this one found it:
+    the client still gets the whole file, fetched again, not a bare 404."""
+    client = await make()
+    service: type[ProviderMirror] | type[ModuleRegistry]
+    if kind == "package":
+        path, service, upstream = f"{BASE}/{ZIP}", ProviderMirror, ZIP
+    else:
+        path, service, upstream = (f"{MODULE}/1.0.0/tarball-aws-1.0.0.tar.gz", ModuleRegistry,
+                                   "tarball-1.0.0.tgz")
+    whole = await (await client.get(path)).read()
+    assert whole
+    find = service.archive
+    evicted: list[Path] = []
+
+    async def evicted_once_found(self: Any, *args: Any) -> Any:
+        found = await find(self, *args)
+        if isinstance(found, Path) and not evicted:
+            found.unlink()
+            evicted.append(found)
+        return found
+
+    monkeypatch.setattr(service, "archive", evicted_once_found)
+    registry.requests.clear()
+    response = await client.get(path)
+    assert response.status == 200, (response.content_type, await response.text())
+    assert await response.read() == whole
+    assert evicted and evicted[0].read_bytes() == whole
+    assert [p for p in registry.paths() if p.endswith(upstream)] != []
+
+
 @pytest.mark.parametrize("damage", ["lose the index", "truncate the file"])
 async def test_file_without_a_matching_record_is_fetched_again(
         make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
@@ -152,9 +188,8 @@ async def fill_every_platform(make: Make, registry: FakeRegistry, cache: Path) -
     for platform in PLATFORMS:
         response = await client.get(f"{BASE}/{zip_name(platform)}")
         assert await response.read() == release.zips[platform]
-    for platform in PLATFORMS:
+    for platform in PLATFORMS:  # h1 is recorded after the zip is published: wait for it
         key = LINUX_KEY.replace("linux_amd64", platform)
-        # The fill's h1 pass follows the download: it may still be under way.
         await eventually(lambda key=key, platform=platform: _recorded_h1_is(
             cache, zip_h1(release.zips[platform]), key), f"the h1 of {platform}")
     await client.close()

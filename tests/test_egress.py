@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import ipaddress
+import logging
 import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.config import ConfigError, load_config
 from proxy.errors import UpstreamError
-from proxy.upstream.egress import EgressPolicy
+from proxy.upstream.egress import EgressPolicy, GuardedResolver
 from proxy.upstream.egress_gate import EgressGate
 from tests.support.connect_proxy import ConnectProxy, use_https_proxy
 from tests.support.fake_dns import fake_dns
@@ -206,9 +207,12 @@ async def test_git_goes_through_https_proxy_and_its_redirects_are_checked(
 PROXIED_REFUSED = ["localhost", "LOCALHOST.", "a.localhost", "printer.local", "db.internal",
                    "nas.home.arpa", "box.localdomain", "git.corp.example", "127.1", "0x7f.1",
                    "2130706433", "[::1]", "[::ffff:127.0.0.1]", "169.254.169.254",
-                   "10.0.0.1", "rebind.example.com", "mixed.example.com"]
+                   "10.0.0.1", "rebind.example.com", "mixed.example.com",
+                   # Names only a search domain completes, and never-public TLDs:
+                   "metadata", "METADATA.", "kubernetes.default.svc", "git.corp", "nas.lan"]
 DNS = {"rebind.example.com": ["10.0.0.1"], "mixed.example.com": ["93.184.215.14", "10.0.0.1"],
-       "public.example.com": ["93.184.215.14"], "git.corp.example": ["10.2.3.4"]}
+       "public.example.com": ["93.184.215.14"], "git.corp.example": ["10.2.3.4"],
+       "instance-data": ["169.254.169.254"]}
 
 
 def policy(networks: tuple[str, ...] = ()) -> EgressPolicy:
@@ -234,6 +238,9 @@ async def test_rule_refuses_through_a_proxy(monkeypatch: pytest.MonkeyPatch,
     ("93.184.215.14", ()),
     ("git.corp.example", ("10.0.0.0/8",)),  # an internal zone, opened by allowed_networks
     ("10.0.0.1", ("10.0.0.0/8",)),
+    ("instance-data", ("169.254.169.254/32",)),  # one label, opened by allowed_networks
+    ("under_score.example.com", ()),  # not a host name by the letter, but a DNS name
+    ("b\u00fccher.example", ()),  # IDNA
 ])
 async def test_rule_allows_through_a_proxy(monkeypatch: pytest.MonkeyPatch, host: str,
                                            networks: tuple[str, ...]) -> None:
@@ -250,7 +257,7 @@ async def test_rule_without_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_dns(monkeypatch, DNS)
     rule = policy()
     # Names in internal zones and address literals are refused before any connection...
-    for host in ("localhost", "git.corp.example", "127.1", "[::1]"):
+    for host in ("localhost", "git.corp.example", "127.1", "[::1]", "metadata"):
         with pytest.raises(UpstreamError, match="refusing to connect to"):
             await rule.check_target(f"https://{host}/")
     # ... as is the outbound proxy's own name when named as a target ...
@@ -295,7 +302,7 @@ async def test_gate_serves_only_its_clones_and_only_allowed_targets(
     for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     fake_dns(monkeypatch)
-    gate = EgressGate(EgressPolicy(["127.0.0.1"], []), connect_timeout=5)
+    gate = EgressGate(EgressPolicy([f"127.0.0.1:{registry.port}"], []), connect_timeout=5)
     try:
         async with gate.session() as session:
             user_token = session.proxy_url.removeprefix("http://").rpartition("@")[0]
@@ -311,3 +318,174 @@ async def test_gate_serves_only_its_clones_and_only_allowed_targets(
         assert (await connect(port, target, user_token)).startswith(b"HTTP/1.1 407")
     finally:
         await gate.close()
+
+
+# --- host names upstream answers give must be DNS names -------------------------------------
+
+LONG_LABEL = "a" * 64 + ".example.com"
+INVALID_NAMES = [LONG_LABEL, "a..example.com", ".".join(["b" * 60] * 5), "sp ace.example.com",
+                 "per%41cent.example.com"]
+
+
+def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def failures_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Tracebacks and errors logged: a refusal is a warning, a crash is not."""
+    return [r.getMessage()[:200] for r in caplog.records
+            if r.exc_info or r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("host", [LONG_LABEL, "a..example.com"])
+@pytest.mark.parametrize("through_proxy", [False, True])
+async def test_an_invalid_host_name_from_upstream_is_a_clear_502(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, host: str, through_proxy: bool) -> None:
+    tunnel = await ConnectProxy().start()
+    if through_proxy:
+        use_https_proxy(monkeypatch, tunnel)
+    else:
+        no_proxy_env(monkeypatch)
+    fake_dns(monkeypatch)
+    name = f"badhost{len(host)}{'p' if through_proxy else ''}"
+    registry.add_module("acme", f"{name}http", "aws", "1.0.0", f"https://{host}/m.tar.gz")
+    registry.add_module("acme", f"{name}git", "aws", "1.0.0", f"git::https://{host}/m.git?ref=v1")
+    try:
+        client = await make()
+        for module in (f"{name}http", f"{name}git"):
+            status, error, _ = await module_archive(client, f"{module}/aws/1.0.0")
+            assert status == 502, module
+            assert f"refusing to connect to '{host}': it is not a valid host name" in error
+        registry.download_host = host  # a provider package's download URL
+        response = await client.get(f"{PROVIDER}/{ZIP}")
+        assert response.status == 502
+        assert "it is not a valid host name" in (await response.json())["errors"][0]
+        assert not connects_to(tunnel, host)
+        assert failures_logged(caplog) == []
+    finally:
+        await tunnel.stop()
+
+
+@pytest.mark.parametrize("host", INVALID_NAMES)
+@pytest.mark.parametrize("through_proxy", [False, True])
+async def test_rule_refuses_invalid_host_names_before_resolving_them(
+        monkeypatch: pytest.MonkeyPatch, host: str, through_proxy: bool) -> None:
+    no_proxy_env(monkeypatch)
+    if through_proxy:
+        monkeypatch.setenv("HTTPS_PROXY", "http://squid.corp.example:3128")
+    fake_dns(monkeypatch, {host: ["93.184.215.14"]})  # were it looked up, it would pass
+    rule = policy()
+    with pytest.raises(UpstreamError, match="it is not a valid host name"):
+        await rule.check_target(f"https://{host}/x")
+    with pytest.raises(UpstreamError, match="it is not a valid host name"):
+        await rule.connectable(host, 443)
+    with pytest.raises(OSError, match="it is not a valid host name"):
+        await GuardedResolver(rule).resolve(host, 443)
+
+
+async def test_gate_refuses_a_connect_to_an_invalid_name(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    no_proxy_env(monkeypatch)
+    fake_dns(monkeypatch)
+    gate = EgressGate(EgressPolicy(["registry.terraform.io"], []), connect_timeout=5)
+    try:
+        async with gate.session() as session:
+            user_token = session.proxy_url.removeprefix("http://").rpartition("@")[0]
+            port = int(session.proxy_url.rpartition(":")[2])
+            for host in (LONG_LABEL, "b\u00fc" + "x" * 70 + ".example"):
+                status = await connect(port, f"{host}:443", user_token)
+                assert status.startswith(b"HTTP/1.1 403"), host
+            assert len(session.refusals) == 2
+            assert "it is not a valid host name" in session.refusals[0]
+            assert session.refusals[1].startswith("refusing the invalid URL")
+        assert failures_logged(caplog) == []
+    finally:
+        await gate.close()
+
+
+# --- trusted hosts are trusted on their own port -------------------------------------------
+
+async def test_trusted_hosts_are_trusted_on_their_configured_port_only(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    no_proxy_env(monkeypatch)
+    fake_dns(monkeypatch, {"registry.example.net": ["10.1.2.3"],
+                           "mirror.example.net": ["10.1.2.4"],
+                           "files.example.net": ["10.1.2.5"],
+                           "other.example.net": ["10.1.2.6"]})
+    path = tmp_path / "c.toml"
+    path.write_text('[upstream]\nallowed_hosts = ["registry.example.net:8443"]\n'
+                    '[upstream.hosts."mirror.example.net:7443".services]\n'
+                    '"providers.v1" = "https://files.example.net:9443/v1/providers/"\n'
+                    '[upstream.hosts."other.example.net".services]\n'
+                    '"modules.v1" = "https://files.example.net/v1/modules/"\n')
+    rule = EgressPolicy.from_config(load_config(path, environ={}).upstream)
+    trusted = [("registry.example.net", 8443, "10.1.2.3"),
+               ("mirror.example.net", 7443, "10.1.2.4"),
+               ("files.example.net", 9443, "10.1.2.5"), ("files.example.net", 443, "10.1.2.5"),
+               ("other.example.net", 443, "10.1.2.6")]
+    for host, port, address in trusted:
+        await rule.check_target(f"https://{host}:{port}/x")
+        assert await rule.connectable(host, port) == [ipaddress.ip_address(address)]
+    other_ports = [("registry.example.net", 22), ("registry.example.net", 443),
+                   ("mirror.example.net", 443), ("files.example.net", 6379),
+                   ("other.example.net", 8443)]
+    for host, port in other_ports:
+        with pytest.raises(UpstreamError, match=f"refusing to connect to {host}"):
+            await rule.connectable(host, port)
+    # Through an outbound proxy the target is judged before the tunnel, the same way.
+    monkeypatch.setenv("HTTPS_PROXY", "http://squid.example.net:3128")
+    for host, port, _address in trusted:
+        await rule.check_target(f"https://{host}:{port}/x")
+    for host, port in other_ports:
+        with pytest.raises(UpstreamError, match=f"refusing to connect to {host}"):
+            await rule.check_target(f"https://{host}:{port}/x")
+    # Other ports are any other target: allowed_networks opens them.
+    path.write_text(path.read_text().replace(
+        "[upstream]\n", '[upstream]\nallowed_networks = ["10.0.0.0/8"]\n'))
+    opened = EgressPolicy.from_config(load_config(path, environ={}).upstream)
+    await opened.check_target("https://registry.example.net:22/x")
+    assert await opened.connectable("registry.example.net", 22) == [
+        ipaddress.ip_address("10.1.2.3")]
+
+
+async def test_resolver_trusts_a_host_on_its_configured_port_only() -> None:
+    resolver = GuardedResolver(EgressPolicy(["localhost:8443"], []))
+    assert await resolver.resolve("localhost", 8443)
+    with pytest.raises(OSError, match="refusing to connect to localhost"):
+        await resolver.resolve("localhost", 6379)
+
+
+@pytest.fixture
+async def listener() -> AsyncIterator[tuple[int, list[str]]]:
+    """A port on 127.0.0.1 that records each connection made to it."""
+    seen: list[str] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append("connected")
+        writer.close()
+
+    server = await asyncio.start_server(record, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], seen
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("location", ["https://127.0.0.1:{port}/m.tar.gz",
+                                      "git::https://127.0.0.1:{port}/m.git?ref=v1"])
+async def test_another_port_of_the_registry_host_is_refused(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch,
+        listener: tuple[int, list[str]], location: str) -> None:
+    # The registry's configured URL is https://127.0.0.1:<its port>/: trusted there only.
+    no_proxy_env(monkeypatch)
+    port, seen = listener
+    name = "otherport" + ("git" if location.startswith("git::") else "http")
+    registry.add_module("acme", name, "aws", "1.0.0", location.format(port=port))
+    client = await make()
+    status, error, _ = await module_archive(client, f"{name}/aws/1.0.0")
+    assert status == 502
+    assert "refusing to connect to 127.0.0.1: not a public address" in error
+    assert seen == []

@@ -20,9 +20,10 @@ import pytest
 import trustme
 from aiohttp import web
 
+from proxy.config import ServerConfig
 from proxy.metrics import Metrics
 from proxy.shutdown import CUT_TIMEOUT, stop_serving
-from proxy.tls_server import HandshakeFailures, TlsSite
+from proxy.tls_server import HandshakeFailures, TlsSite, open_connections
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 
@@ -199,8 +200,10 @@ async def test_a_client_that_stops_reading_is_cut_after_the_grace_period(
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     upstream_ca.issue_cert("127.0.0.1").configure_cert(server_context)
     port = free_port()
+    metrics = Metrics()
     await TlsSite(runner, "127.0.0.1", port, server_context,
-                  HandshakeFailures(Metrics().tls_handshake_failures, "")).start()
+                  HandshakeFailures(metrics.tls_handshake_failures, ""),
+                  open_connections(ServerConfig(), metrics)).start()
     client_context = ssl.create_default_context()
     upstream_ca.configure_trust(client_context)
     reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context)

@@ -3,16 +3,21 @@ registry protocol sends them, and never a client's."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Secret, load_config
-from tests.support.connect_proxy import ConnectProxy
+from tests.support.connect_proxy import ConnectProxy, use_https_proxy
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP
+
+MODULES = "/modules/registry.terraform.io/acme"
 
 
 def test_tokens_from_config_and_environment(tmp_path: Path) -> None:
@@ -96,5 +101,81 @@ async def test_outbound_traffic_goes_through_https_proxy(
         assert (await client.get("/mirror/registry.terraform.io/hashicorp/random/index.json")
                 ).status == 200
         assert tunnel.targets == []
+    finally:
+        await tunnel.stop()
+
+
+# --- ~/.netrc is never a source of credentials ---------------------------------------------
+
+@pytest.fixture
+def netrc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An operator's netrc ($NETRC) with entries for every host the fake upstream plays (and
+    the outbound proxy, on 127.0.0.1), and a default entry."""
+    path = tmp_path / "netrc"
+    path.write_text("machine 127.0.0.1 login ci password host-secret\n"
+                    "machine localhost login ci password host-secret\n"
+                    "default login ci password default-secret\n")
+    path.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(path))
+    return path
+
+
+async def test_netrc_credentials_are_never_sent_upstream(
+        aiohttp_client, write_config: Callable[..., Path],  # type: ignore[no-untyped-def]
+        registry: FakeRegistry, netrc: Path) -> None:
+    path = write_config(upstream_extra='allowed_networks = ["127.0.0.0/8", "::1/128"]')
+    client: TestClient = await aiohttp_client(create_app(load_config(path, environ={})))
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    await response.read()
+    download = await client.get(f"{MODULES}/tarball/aws/1.0.0/download")
+    archive = await client.get(urlsplit((await download.json())["location"]).path)
+    assert archive.status == 200
+    await archive.read()
+    registry.faults.add("redirect-private")  # upstream names another host: localhost
+    await client.get("/mirror/registry.terraform.io/hashicorp/random/index.json")
+    paths = [p for p, _value in registry.authorizations]
+    assert f"/files/hashicorp/null/3.2.1/{ZIP}" in paths
+    assert "/archives/tarball-1.0.0.tgz" in paths
+    assert paths.count("/v1/providers/hashicorp/random/versions") > 1  # after a redirect too
+    assert [(p, v) for p, v in registry.authorizations if v is not None] == []
+
+
+async def test_netrc_does_not_get_in_the_way_of_a_token(
+        aiohttp_client, write_config: Callable[..., Path],  # type: ignore[no-untyped-def]
+        registry: FakeRegistry, netrc: Path) -> None:
+    config = load_config(write_config(), environ={"TF_TOKEN_registry_terraform_io": "s3cret"})
+    client: TestClient = await aiohttp_client(create_app(config))
+    response = await client.get(f"{BASE}/index.json")
+    assert response.status == 200, await response.text()
+    assert registry.authorizations == [("/v1/providers/hashicorp/null/versions",
+                                        "Bearer s3cret")]
+
+
+async def test_https_proxy_credentials_come_from_its_url_only(
+        aiohttp_client, proxy_config, registry: FakeRegistry,  # type: ignore[no-untyped-def]
+        monkeypatch: pytest.MonkeyPatch, netrc: Path) -> None:
+    tunnel = await ConnectProxy().start()
+    try:
+        use_https_proxy(monkeypatch, tunnel)
+        client: TestClient = await aiohttp_client(create_app(proxy_config))
+        assert (await client.get(f"{BASE}/index.json")).status == 200
+        download = await client.get(f"{MODULES}/net/aws/1.2.0/download")  # git, via the gate
+        archive = await client.get(urlsplit((await download.json())["location"]).path)
+        assert archive.status == 200, await archive.text()
+        assert len(tunnel.targets) >= 2
+        assert set(tunnel.authorizations) == {None}  # netrc's entries stay home
+
+        tunnel.targets.clear()
+        tunnel.authorizations.clear()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://squid-user:squid%20pass@127.0.0.1:{tunnel.port}")
+        assert (await client.get("/mirror/registry.terraform.io/hashicorp/random/index.json")
+                ).status == 200
+        download = await client.get(f"{MODULES}/relative/aws/1.0.0/download")
+        archive = await client.get(urlsplit((await download.json())["location"]).path)
+        assert archive.status == 200, await archive.text()
+        expected = "Basic " + base64.b64encode(b"squid-user:squid pass").decode()
+        assert len(tunnel.targets) >= 2
+        assert set(tunnel.authorizations) == {expected}
     finally:
         await tunnel.stop()

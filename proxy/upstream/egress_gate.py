@@ -147,7 +147,7 @@ class EgressGate:
                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         url = f"https://{authority}/"
         await self._policy.check_target(url)
-        proxy = await outbound_proxy(url)
+        proxy = outbound_proxy(url)
         if proxy is not None:
             return await self._through_proxy(proxy[0], proxy[1], authority)
         last_error: OSError | None = None

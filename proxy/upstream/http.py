@@ -16,12 +16,13 @@ from urllib.parse import urljoin, urlsplit
 import aiofiles
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
 from proxy.metrics import Metrics
 from proxy.redaction import excerpt
-from proxy.upstream.egress import EgressPolicy, GuardedResolver
+from proxy.upstream.egress import EgressPolicy, GuardedResolver, outbound_proxy
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,16 @@ def make_ssl_context(config: UpstreamConfig) -> ssl.SSLContext:
 
 
 def make_session(config: UpstreamConfig, egress: EgressPolicy) -> aiohttp.ClientSession:
-    """The one outbound session: honors HTTPS_PROXY/NO_PROXY (trust_env); every name it
-    resolves passes the egress policy."""
+    """The one outbound session; every name it resolves passes the egress policy. It does
+    not read the environment (trust_env would send ~/.netrc credentials to any host that
+    asks): each request names its HTTPS_PROXY itself (see UpstreamHTTP._open)."""
     connector = aiohttp.TCPConnector(ssl=make_ssl_context(config), limit=64,
                                      ttl_dns_cache=60, resolver=GuardedResolver(egress))
     # Bytes are verified and served exactly as published: ask for no content coding at all
     # (aiohttp would otherwise offer gzip) and refuse answers that use one anyway.
     return aiohttp.ClientSession(
         connector=connector,
-        trust_env=True,
+        trust_env=False,
         headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
         skip_auto_headers=("Accept-Encoding",),
         auto_decompress=False,
@@ -115,7 +117,9 @@ class UpstreamHTTP:
                 hop_headers = dict(headers or {})
                 if token is not None and urlsplit(url).netloc == token_netloc:
                     hop_headers["Authorization"] = f"Bearer {token}"
+                proxy, proxy_headers = _proxy_for(url)
                 async with self._session.get(url, allow_redirects=False, headers=hop_headers,
+                                             proxy=proxy, proxy_headers=proxy_headers,
                                              timeout=self._timeout(total)) as response:
                     if response.status in _REDIRECTS and "Location" in response.headers:
                         url = _redirect_target(url, response.headers["Location"], origin)
@@ -205,6 +209,15 @@ class UpstreamHTTP:
             raise UpstreamTimeout(f"upstream {origin} download stalled") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"upstream {origin} download failed: {_describe(exc)}") from None
+
+
+def _proxy_for(url: str) -> tuple[URL | None, dict[str, str] | None]:
+    """The outbound proxy for url and the headers of the tunnel request (its credentials)."""
+    proxy = outbound_proxy(url)
+    if proxy is None:
+        return None, None
+    address, auth = proxy
+    return address, ({"Proxy-Authorization": auth.encode()} if auth is not None else None)
 
 
 def _redirect_target(url: str, location: str, origin: str) -> str:

@@ -14,6 +14,8 @@ class ConnectProxy:
 
     def __init__(self, routes: dict[str, str] | None = None) -> None:
         self.targets: list[str] = []
+        # The Proxy-Authorization header of each CONNECT (None when there was none).
+        self.authorizations: list[str | None] = []
         self.routes = routes or {}
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -31,12 +33,16 @@ class ConnectProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = (await reader.readline()).decode("latin-1").split()
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass
+            authorization = None
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.strip().lower() == "proxy-authorization":
+                    authorization = value.strip()
             if len(request) < 2 or request[0] != "CONNECT":
                 writer.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
                 return
             self.targets.append(request[1])
+            self.authorizations.append(authorization)
             host, _, port = request[1].rpartition(":")
             host = self.routes.get(host, host)
             upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))

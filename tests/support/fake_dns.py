@@ -19,6 +19,7 @@ def fake_dns(monkeypatch: pytest.MonkeyPatch, names: dict[str, list[str]] | None
     table = {**LOCAL_NAMES, **(names or {})}
 
     async def lookup(host: str, port: int) -> list[egress.IPAddress]:
+        host.encode("idna")  # as getaddrinfo does first: UnicodeError for an invalid name
         addresses = table.get(host.lower().rstrip("."))
         if addresses is None:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")

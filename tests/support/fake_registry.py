@@ -11,6 +11,7 @@ import asyncio
 import gzip
 import hashlib
 import io
+import random
 import ssl
 import tempfile
 import threading
@@ -134,6 +135,24 @@ class FakeRegistry:
         release.signature = self.signer.detach_sign(release.sums)
         release.bad_signature = self.impostor.detach_sign(release.sums)
         self.releases[(namespace, type_, version)] = release
+        return release
+
+    def add_large_release(self, namespace: str, type_: str, version: str,
+                          size: int) -> Release:
+        """A linux_amd64-only release whose zip holds size incompressible bytes (stored, not
+        deflated, so the file really is that large), signed like any other."""
+        release = self.add_release(namespace, type_, version, platforms=("linux_amd64",))
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+            info = zipfile.ZipInfo(f"terraform-provider-{type_}_v{version}",
+                                   date_time=(2024, 1, 1, 0, 0, 0))
+            info.external_attr = 0o755 << 16
+            archive.writestr(info, random.Random(f"{type_}{version}").randbytes(size))
+        release.zips["linux_amd64"] = buffer.getvalue()
+        release.sums = (f"{release.sha256('linux_amd64')}  {release.filename('linux_amd64')}\n"
+                        .encode())
+        release.signature = self.signer.detach_sign(release.sums)
+        release.bad_signature = self.impostor.detach_sign(release.sums)
         return release
 
     def add_module(self, namespace: str, name: str, system: str, version: str,

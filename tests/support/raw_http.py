@@ -133,6 +133,35 @@ def raw_request(host: str, port: int, request: bytes, tls: ssl.SSLContext | None
     return RawAnswer(int(lines[0].split(" ", 2)[1]), headers, body, ended)
 
 
+class PausedDownload:
+    """A GET whose client stops reading after the first bytes of the body: the server is left
+    in the middle of sending it (its socket full) until `finish` reads the rest. A small
+    receive buffer keeps what the kernel takes in for the client small. Blocking."""
+
+    def __init__(self, host: str, port: int, path: str, tls: ssl.SSLContext,
+                 first: int = 1 << 16) -> None:
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        raw.settimeout(30)
+        raw.connect((host, port))
+        self._sock = tls.wrap_socket(raw, server_hostname=host)
+        self._sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                           "Connection: close\r\n\r\n".encode())
+        self._received = bytearray()
+        while len(self._received.partition(b"\r\n\r\n")[2]) < first:
+            data = self._sock.recv(1 << 14)
+            assert data, f"the answer ended early: {bytes(self._received[:200])!r}"
+            self._received += data
+
+    def finish(self) -> tuple[int, bytes]:
+        """Read to the end of the answer; its status and body."""
+        with self._sock:
+            while data := self._sock.recv(1 << 16):
+                self._received += data
+        head, _, body = bytes(self._received).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), body
+
+
 def _complete(received: bytearray) -> bool:
     head, separator, body = bytes(received).partition(b"\r\n\r\n")
     for line in head.decode("latin-1").split("\r\n")[1:]:
