@@ -162,6 +162,10 @@ class ProviderMirror:
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         key = (str(provider), version, platform.key)
         ready = self._archive_ready.get(key)
+        if ready is not None and _published(ready):
+            # Its fill is still finishing (the h1 pass), yet the file was not found just now:
+            # it left the cache since (evicted, dropped as damaged). Fill again.
+            ready = None
         if ready is None:
             ready = asyncio.get_running_loop().create_future()
             ready.add_done_callback(_retrieve)
@@ -355,6 +359,14 @@ class ProviderMirror:
             return
         if h1 is not None:
             await self.packages.save(provider, version, platform, replace(package, h1=h1))
+
+
+def _published(ready: asyncio.Future[Path | GrowingFile]) -> bool:
+    """Whether the fill behind ready already published its file."""
+    if not ready.done() or ready.cancelled() or ready.exception() is not None:
+        return False
+    source = ready.result()
+    return not isinstance(source, GrowingFile) or source.final is not None
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

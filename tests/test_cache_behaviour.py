@@ -18,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 import proxy.archives
+import proxy.provider_mirror
 import proxy.stored_hashes
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
@@ -122,6 +123,29 @@ async def test_file_evicted_right_after_it_was_found_is_fetched_again(
     assert await response.read() == whole
     assert evicted and evicted[0].read_bytes() == whole
     assert [p for p in registry.paths() if p.endswith(upstream)] != []
+
+
+async def test_a_zip_gone_while_its_fill_is_still_finishing_is_fetched_again(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill's h1 pass follows the download: a request that finds the file gone meanwhile
+    (evicted, dropped as damaged) gets a new fill, not the finished one's vanished file."""
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    real_h1 = proxy.provider_mirror.h1_of_stored
+
+    async def slow_h1(*args: Any) -> str | None:
+        await asyncio.sleep(0.5)
+        return await real_h1(*args)
+
+    monkeypatch.setattr(proxy.provider_mirror, "h1_of_stored", slow_h1)
+    client = await make()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    next(cache.rglob(ZIP)).unlink()  # by another process, while the h1 pass runs
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert await response.read() == good
+    assert len(registry.archive_requests()) == 2
 
 
 @pytest.mark.parametrize("damage", ["lose the index", "truncate the file"])
