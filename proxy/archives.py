@@ -283,14 +283,15 @@ class ArchiveStore:
         return self.cache_dir.joinpath(*parts)
 
     async def lookup(self, parts: Sequence[str]) -> Path | None:
-        """The stored file, if present."""
+        """The stored file, if present (a hit's first call: on the quick pool)."""
         path = self.path_for(parts)
-        return path if await aiofiles.os.path.isfile(path) else None
+        return path if await quick(os.path.isfile, path) else None
 
     async def identity(self, path: Path) -> FileIdentity | None:
-        """The identity of the stored file at path (one stat); None if there is none."""
+        """The identity of the stored file at path (one stat, a hit's first call: on the
+        quick pool); None if there is none."""
         try:
-            info = await aiofiles.os.stat(path)
+            info = await quick(os.stat, path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         return identity_of(info) if stat.S_ISREG(info.st_mode) else None

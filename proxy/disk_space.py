@@ -21,6 +21,11 @@ _OUT_OF_SPACE_SQLITE = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR_SHMS
 # A write whose final size is unknown needed more than it got: count on twice that, and on
 # at least this much, before calling the disk usable again.
 _MIN_ROOM = 1 << 20
+# How commands say so: strerror of ENOSPC and EDQUOT, and git's own words for an index it
+# could not write.
+_OUT_OF_SPACE_WORDS = (("No space left on device", errno.ENOSPC),
+                       ("Disk quota exceeded", errno.EDQUOT),
+                       ("Out of diskspace", errno.ENOSPC))
 _NOUNS = {"package": "a package", "module": "a module archive", "index": "an index record"}
 
 
@@ -31,6 +36,25 @@ def is_out_of_space(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.Error):
         return getattr(exc, "sqlite_errorcode", None) in _OUT_OF_SPACE_SQLITE
     return False
+
+
+def reported_out_of_space(output: str) -> int | None:
+    """The errno (ENOSPC or EDQUOT) a command's error output (in the C locale) says a write
+    failed with, if it says one ran out of space."""
+    for words, code in _OUT_OF_SPACE_WORDS:
+        if words in output:
+            return code
+    return None
+
+
+def looks_full(directory: Path) -> bool:
+    """Whether directory's filesystem has less room than any write can count on, i.e. a write
+    of unknown size that just failed there most likely failed for want of space (blocking: a
+    statvfs). False when that cannot be told."""
+    try:
+        return free_bytes(directory) < _MIN_ROOM
+    except OSError:
+        return False
 
 
 def free_bytes(directory: Path) -> int:

@@ -1,12 +1,14 @@
 """Thread pools for the proxy's blocking calls, kept apart by how long the calls take: a cache
 hit's quick lookup (SQLite, a stat, a small file) never queues behind slow work (hashing or
-unpacking a whole package, packing a module, walking the cache).
+unpacking a whole package, packing a module, walking the cache), nor behind name lookups that
+hang with an unreachable DNS server.
 
 The app opens the pools for its event loop (`serving`, from its cleanup_ctx) and call sites
-just `await quick(fn, *args)` or `await slow(fn, *args)`. Outside a serving app (unit tests,
-one-shot commands) there is no hit to protect, and both run on the loop's default executor.
-Libraries keep their own use of the default executor (aiofiles, aiohttp's FileResponse, the
-threaded DNS resolver): nothing slow of the proxy's runs there any more.
+just `await quick(fn, *args)`, `await slow(fn, *args)` or `await dns(fn, *args)`. Outside a
+serving app (unit tests, one-shot commands) there is no hit to protect, and all run on the
+loop's default executor. A hit uses no thread but the quick pool's: asyncio's default
+executor, where libraries run their own blocking calls (aiofiles on the fill path), may fill
+up without holding up a hit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Literal, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -42,21 +44,29 @@ def default_slow_threads() -> int:
     return max(2, min(8, _cpus()))
 
 
-class Executors:
-    """The two pools: `quick` for short metadata and file-system calls, `slow` for work over
-    whole files."""
+# Name lookups wait on the network, up to the resolver's own timeouts (many seconds each when
+# a DNS server does not answer): a fixed few threads, enough for the few upstream hosts (the
+# outbound session keeps answers for a minute); more lookups wait their turn.
+DNS_THREADS = 8
 
-    def __init__(self, quick_threads: int | None = None,
-                 slow_threads: int | None = None) -> None:
+
+class Executors:
+    """The three pools: `quick` for short metadata and file-system calls, `slow` for work over
+    whole files, `dns` for name lookups."""
+
+    def __init__(self, quick_threads: int | None = None, slow_threads: int | None = None,
+                 dns_threads: int | None = None) -> None:
         self.quick_pool = ThreadPoolExecutor(quick_threads or default_quick_threads(),
                                              thread_name_prefix="proxy-quick")
         self.slow_pool = ThreadPoolExecutor(slow_threads or default_slow_threads(),
                                             thread_name_prefix="proxy-slow")
+        self.dns_pool = ThreadPoolExecutor(dns_threads or DNS_THREADS,
+                                           thread_name_prefix="proxy-dns")
 
     def shutdown(self) -> None:
         """Take no more work: queued jobs are dropped (their callers are gone at shutdown),
         running ones finish in their threads without holding up the event loop."""
-        for pool in (self.quick_pool, self.slow_pool):
+        for pool in (self.quick_pool, self.slow_pool, self.dns_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -73,13 +83,14 @@ _serving: dict[asyncio.AbstractEventLoop, _Opened] = {}
 
 
 @asynccontextmanager
-async def serving(quick_threads: int | None = None,
-                  slow_threads: int | None = None) -> AsyncIterator[Executors]:
-    """The pools that quick() and slow() use on this event loop while the block runs."""
+async def serving(quick_threads: int | None = None, slow_threads: int | None = None,
+                  dns_threads: int | None = None) -> AsyncIterator[Executors]:
+    """The pools that quick(), slow() and dns() use on this event loop while the block runs."""
     loop = asyncio.get_running_loop()
     opened = _serving.get(loop)
     if opened is None:
-        opened = _serving[loop] = _Opened(Executors(quick_threads, slow_threads), 0)
+        opened = _serving[loop] = _Opened(Executors(quick_threads, slow_threads, dns_threads),
+                                          0)
     opened.apps += 1
     try:
         yield opened.executors
@@ -90,33 +101,45 @@ async def serving(quick_threads: int | None = None,
             opened.executors.shutdown()
 
 
-def _pool(loop: asyncio.AbstractEventLoop, slow: bool) -> ThreadPoolExecutor | None:
+Pool = Literal["quick", "slow", "dns"]
+
+
+def _pool(loop: asyncio.AbstractEventLoop, pool: Pool) -> ThreadPoolExecutor | None:
     opened = _serving.get(loop)
     if opened is None:
         return None  # the loop's default executor
-    return opened.executors.slow_pool if slow else opened.executors.quick_pool
+    executors = opened.executors
+    return {"quick": executors.quick_pool, "slow": executors.slow_pool,
+            "dns": executors.dns_pool}[pool]
 
 
-def _submit(slow: bool, fn: Callable[P, T], *args: P.args,
+def _submit(pool: Pool, fn: Callable[P, T], *args: P.args,
             **kwargs: P.kwargs) -> asyncio.Future[T]:
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()  # as asyncio.to_thread does: log context follows
-    return loop.run_in_executor(_pool(loop, slow), lambda: context.run(fn, *args, **kwargs))
+    return loop.run_in_executor(_pool(loop, pool), lambda: context.run(fn, *args, **kwargs))
 
 
 async def quick(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run a short blocking call (SQLite, a stat, a small file, a directory listing) off the
     event loop. Never pass it work over whole files: hits wait for this pool."""
-    return await _submit(False, fn, *args, **kwargs)
+    return await _submit("quick", fn, *args, **kwargs)
 
 
 def quick_soon(fn: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
     """Start a short blocking call off the event loop without waiting for it; fn handles its
     own errors."""
-    _submit(False, fn, *args, **kwargs)
+    _submit("quick", fn, *args, **kwargs)
 
 
 async def slow(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run blocking work over whole files or trees (hashing, unzip, packing, fsync of a
     package, walking the cache) off the event loop, in the pool that hits never wait for."""
-    return await _submit(True, fn, *args, **kwargs)
+    return await _submit("slow", fn, *args, **kwargs)
+
+
+async def dns(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run a name lookup (getaddrinfo) off the event loop, in a bounded pool of its own: a
+    resolver that does not answer holds only these threads, never the ones hits or fills
+    wait for."""
+    return await _submit("dns", fn, *args, **kwargs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from urllib.parse import unquote
 
@@ -11,8 +10,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from proxy.errors import BadRequest, ProxyError
 from proxy.metrics import Metrics
-from proxy.redaction import mask_secrets
-from proxy.responses import PREPARED_RESPONSE_KEY, abort_after_headers
+from proxy.responses import PREPARED_RESPONSE_KEY, abort_after_headers, error_body
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +21,8 @@ SERVER_NAME = "tf-registry-proxy"
 
 def json_error(status: int, message: str) -> web.Response:
     """The one error shape: `{"errors": ["..."]}`, secrets masked."""
-    return web.Response(status=status, body=_error_body(message),
+    return web.Response(status=status, body=error_body(message),
                         content_type="application/json")
-
-
-def _error_body(message: str) -> bytes:
-    return json.dumps({"errors": [mask_secrets(message)]}).encode()
 
 
 async def json_error_bodies(_request: web.Request, response: web.StreamResponse) -> None:
@@ -37,7 +31,7 @@ async def json_error_bodies(_request: web.Request, response: web.StreamResponse)
     shape too."""
     if (response.status >= 400 and isinstance(response, web.Response)
             and response.content_type != "application/json"):
-        body = _error_body(response.reason)
+        body = error_body(response.reason)
         response.body = body
         response.content_type = "application/json"
         # aiohttp has already set Content-Length from the old body when the hooks run.

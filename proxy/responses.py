@@ -3,23 +3,27 @@ still being downloaded, and the one way a response that fails after its headers 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import json
 import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.web_fileresponse import NOSENDFILE, _FileResponseResult
 from prometheus_client import Counter
 
 from proxy.access_log import CACHE_RESULT_KEY
 from proxy.archives import ArchiveStore, GrowingFile
 from proxy.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
-from proxy.executors import quick
+from proxy.executors import quick, quick_soon
+from proxy.redaction import mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,11 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
     """Serialize a protocol document as application/json."""
     return web.Response(status=status, body=json.dumps(document, separators=(",", ":")).encode(),
                         content_type="application/json")
+
+
+def error_body(message: str) -> bytes:
+    """The one error shape, `{"errors": ["..."]}`, secrets masked."""
+    return json.dumps({"errors": [mask_secrets(message)]}).encode()
 
 
 # A stored file may leave the cache (another process evicted it) between being found and
@@ -143,8 +152,31 @@ _OPEN_FILES = Path("/proc/self/fd")
 _NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
 
 
-class _OpenFileResponse(web.FileResponse):
-    """sendfile of a stored file this request already opened; counts the bytes sent."""
+class _JsonErrors(web.StreamResponse):
+    """The error answers FileResponse makes itself (416 for a range outside the file, 412 for
+    a failed precondition) get the proxy's JSON error body, their headers kept (a 416's
+    `Content-Range: bytes */SIZE`). FileResponse prepares them through this class."""
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared or self.status < 400:
+            return await super().prepare(request)
+        message = self.reason
+        if self.status == 416:
+            size = self.headers.get(hdrs.CONTENT_RANGE, "").rpartition("/")[2]
+            message = f"range not satisfiable: the file has {size} bytes"
+        body = error_body(message)
+        self.content_type = "application/json"
+        self.content_length = len(body)
+        writer = await super().prepare(request)
+        if request.method != "HEAD":
+            await self.write(body)
+        return writer
+
+
+class _OpenFileResponse(web.FileResponse, _JsonErrors):
+    """sendfile of a stored file this request already opened; counts the bytes sent. Every
+    blocking call runs on the quick pool, never on the loop's default executor, where
+    libraries' calls (aiofiles, name lookups outside the proxy's own) may queue."""
 
     def __init__(self, handle: BinaryIO, path: Path, served: Counter,
                  headers: dict[str, str]) -> None:
@@ -156,7 +188,69 @@ class _OpenFileResponse(web.FileResponse):
         if self.prepared:
             # Sent by the handler already; aiohttp calls prepare again when it finishes.
             return await web.StreamResponse.prepare(self, request)
-        writer = await super().prepare(request)
+        writer = await self._prepare_file(request)
         if request.method != "HEAD" and self.status == 200 and self.content_length:
             self._served.inc(self.content_length)
         return writer
+
+    async def _prepare_file(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """FileResponse.prepare, its stat and open on the quick pool."""
+        accept_encoding = request.headers.get(hdrs.ACCEPT_ENCODING, "").lower()
+        try:
+            result, fobj, st, encoding = await quick(self._make_response, request,
+                                                     accept_encoding)
+        except OSError as exc:  # gone, or unreadable: FileResponse's answers, as JSON
+            self.set_status(403 if isinstance(exc, PermissionError) else 404)
+            return await _JsonErrors.prepare(self, request)
+        if result is _FileResponseResult.NOT_ACCEPTABLE:
+            self.set_status(403)
+            return await _JsonErrors.prepare(self, request)
+        if result is _FileResponseResult.PRE_CONDITION_FAILED:
+            return await self._precondition_failed(request)
+        if result is _FileResponseResult.NOT_MODIFIED:
+            return await self._not_modified(request, f"{st.st_mtime_ns:x}-{st.st_size:x}",
+                                            st.st_mtime)
+        assert fobj is not None
+        try:
+            return await self._prepare_open_file(request, fobj, st, encoding)
+        finally:
+            quick_soon(fobj.close)
+
+    async def _sendfile(self, request: web.BaseRequest, fobj: IO[Any], offset: int,
+                        count: int) -> AbstractStreamWriter:
+        writer = await _JsonErrors.prepare(self, request)
+        assert writer is not None
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("Connection lost")
+        # sendfile(2) where the loop has it and nothing transforms the bytes: not through TLS
+        # or compression, and not on uvloop (NotImplementedError). There asyncio and aiohttp
+        # would read the file on the default executor; it is read here on the quick pool.
+        if not (NOSENDFILE or self.compression
+                or transport.get_extra_info("sslcontext") is not None):
+            try:
+                await asyncio.get_running_loop().sendfile(transport, fobj, offset, count,
+                                                          fallback=False)
+            except (NotImplementedError, asyncio.SendfileNotAvailableError):
+                pass
+            else:
+                await self.write_eof()
+                return writer
+        while count > 0:
+            chunk = await quick(_read_at, cast(io.BufferedIOBase, fobj), offset,
+                                min(self._chunk_size, count))
+            if not chunk:  # cut short: the headers promised more, so this cannot end well
+                raise OSError(f"{self._path.name} ended {count} bytes early")
+            await writer.write(chunk)
+            offset += len(chunk)
+            count -= len(chunk)
+        await writer.drain()
+        return writer
+
+
+def _read_at(file: io.BufferedIOBase, offset: int, size: int) -> bytearray:
+    """Up to size bytes of file from offset (blocking)."""
+    file.seek(offset)
+    chunk = bytearray(size)  # a new buffer each time: the transport may still hold the last
+    del chunk[file.readinto(chunk):]
+    return chunk

@@ -6,9 +6,11 @@ a real tmpfs filled to the brim (mounting one needs root: elsewhere these tests 
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -20,12 +22,14 @@ import trustme
 from proxy.app import create_app
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry, Release
+from tests.support.git_repos import publish_repo
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.raw_http import RawAnswer, Served, sample, served
 from tests.support.small_disk import SmallDisk, small_filesystem
 
 NULL = "/mirror/registry.terraform.io/hashicorp/null"
 BULKY = "/mirror/registry.terraform.io/hashicorp/bulky"
+NET = "/modules/registry.terraform.io/acme/net/aws"
 TARBALL = "/modules/registry.terraform.io/acme/tarball/aws"
 DISK_FULL = "tfproxy_cache_disk_full_total"
 LOOKUPS = "tfproxy_cache_lookups_total"
@@ -137,6 +141,8 @@ async def test_disk_filling_up_mid_download_fails_every_client_at_once(
 @pytest.mark.parametrize(("known", "path", "kind"), [
     # The source archive is downloaded, unpacked and repacked under the cache directory.
     (f"{TARBALL}/versions", f"{TARBALL}/1.0.0/tarball-aws-1.0.0.tar.gz", "module"),
+    # git clones the source there (its own writes fail: the proxy learns it from git).
+    (f"{NET}/versions", f"{NET}/1.2.0/net-aws-1.2.0.tar.gz", "module"),
     # A provider's version list and signed facts go to the index (SQLite) first.
     (None, f"{NULL}/3.1.0.json", "index"),
 ])
@@ -148,6 +154,7 @@ async def test_fill_on_a_full_disk_is_a_507_and_nothing_is_left(
     status, content_type, body = await get(proxy, path)
     assert (status, content_type) == (507, "application/json"), body
     assert b"cache disk is full" in body
+    assert str(disk.root).encode() not in body
     assert await metric(proxy, DISK_FULL, kind=kind) == 1
     assert [p for p in (disk.root / "cache" / "tmp").rglob("*")
             if p.is_file() and p.suffix != ".lock"] == []
@@ -156,6 +163,38 @@ async def test_fill_on_a_full_disk_is_a_507_and_nothing_is_left(
     disk.empty()
     assert (await get(proxy, "/readyz"))[0] == 200
     assert (await get(proxy, path))[0] == 200
+
+
+async def test_git_module_whose_files_do_not_fit_is_a_507(
+        proxy: Served, disk: SmallDisk, registry: FakeRegistry, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The clone fits (a few kilobytes of packed history), its checkout does not: git's own
+    words for that are not an errno message."""
+    roomy = ("acme", "roomy", "aws", "1.0.0")
+    publish_repo(registry.git_root, f"roomy-{tmp_path.name}", tmp_path / "roomy",
+                 {"main.tf": b"# roomy\n", "data.txt": b"terraform " * (400 << 10)},
+                 tag="v1.0.0")
+    registry.add_module(*roomy, f"git::{registry.url}/git/roomy-{tmp_path.name}.git"
+                                "?ref=v1.0.0")
+    archive = "/modules/registry.terraform.io/acme/roomy/aws/1.0.0/roomy-aws-1.0.0.tar.gz"
+    try:
+        assert (await get(proxy, "/modules/registry.terraform.io/acme/roomy/aws/versions")
+                )[0] == 200
+        disk.fill(leave=256 << 10)
+        status, content_type, body = await get(proxy, archive)
+        assert (status, content_type) == (507, "application/json"), body
+        assert await metric(proxy, DISK_FULL, kind="module") == 1
+        assert (await get(proxy, "/readyz"))[0] == 503
+        # The log names the cache directory; nothing inside it (git's temp work tree).
+        assert str(disk.root / "cache" / "tmp") not in caplog.text
+        disk.empty()
+        status, _, body = await get(proxy, archive)
+        assert status == 200, body
+        with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+            data = tar.extractfile("data.txt")
+            assert data is not None and data.read() == b"terraform " * (400 << 10)
+    finally:
+        del registry.modules[roomy]
 
 
 async def test_no_file_left_to_create_is_a_full_disk_too(

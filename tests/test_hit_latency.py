@@ -1,26 +1,37 @@
 """A cache hit's latency does not depend on slow work running meanwhile (hashing whole packages
-after a burst of downloads): hits and slow work never share the threads they wait for."""
+after a burst of downloads, name lookups that hang, whatever fills asyncio's default executor):
+hits and slow work never share the threads they wait for."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import BinaryIO
+from pathlib import Path
+from typing import BinaryIO, NoReturn
 
+import aiohttp
 import pytest
+import trustme
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 import proxy.stored_hashes
+from proxy.app import create_app
+from proxy.config import load_config
 from proxy.hashes import h1_of_zip
 from tests.support.fake_registry import FakeRegistry
 from tests.support.held_work import HeldCalls
+from tests.support.raw_http import served
 
 Client = TestClient[web.Request, web.Application]
 Make = Callable[..., Awaitable[Client]]
 MIRROR = "/mirror/registry.terraform.io/hashicorp"
+TARBALL = "/modules/registry.terraform.io/acme/tarball/aws"
+HUNG_ZONE = ".hung.example"
 # A hit takes milliseconds; this leaves room for a loaded 2-core machine. The slow work lasts
 # until the test releases it, and a hit stuck behind it is given up on after HIT_TIMEOUT.
 HIT_BOUND = 1.0
@@ -38,8 +49,9 @@ def is_busy_package(source: BinaryIO | object) -> bool:
     return "terraform-provider-busy_" in str(getattr(source, "name", source))
 
 
-async def timed_get(client: Client, path: str) -> tuple[float, int]:
-    """Seconds until the whole answer arrived (HIT_TIMEOUT if it did not), and its status."""
+async def timed_get(client: Client, path: str,
+                    limit: float = HIT_TIMEOUT) -> tuple[float, int]:
+    """Seconds until the whole answer arrived (`limit` if it did not), and its status."""
     async def fetch() -> int:
         response = await client.get(path)
         await response.read()
@@ -47,9 +59,9 @@ async def timed_get(client: Client, path: str) -> tuple[float, int]:
 
     started = time.monotonic()
     try:
-        status = await asyncio.wait_for(fetch(), HIT_TIMEOUT)
+        status = await asyncio.wait_for(fetch(), limit)
     except TimeoutError:
-        return HIT_TIMEOUT, 0
+        return limit, 0
     return time.monotonic() - started, status
 
 
@@ -95,3 +107,103 @@ async def test_cached_answers_do_not_wait_for_package_hashing(
         del registry.releases[("hashicorp", "busy", "1.0.0")]
     # The load was real work that completes once released.
     assert results == [(200, busy.zips[p]) for p in busy.platforms]
+
+
+def fails_to_resolve(host: object, *_args: object, **_kwargs: object) -> NoReturn:
+    """What a hung lookup ends in: no answer (and never a real query for the test's names)."""
+    raise socket.gaierror(socket.EAI_AGAIN, f"Temporary failure in name resolution: {host}")
+
+
+def is_hung_name(host: object, *_args: object, **_kwargs: object) -> bool:
+    return str(host).endswith(HUNG_ZONE)
+
+
+async def test_cached_answers_do_not_wait_for_hung_name_lookups(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Module sources on more hosts than asyncio's default pool has threads, all fetched at
+    # once.
+    count = default_executor_threads() + 2
+    client = await make(upstream_extra=f"max_concurrent_fills = {count}")
+    hits = [f"{MIRROR}/null/index.json",
+            f"{MIRROR}/null/terraform-provider-null_3.2.1_linux_amd64.zip",
+            f"{TARBALL}/1.0.0/tarball-aws-1.0.0.tar.gz"]
+    for path in hits:  # cached: from here on they are hits
+        assert (await client.get(path)).status == 200, path
+    # A DNS server that does not answer: every lookup of these names hangs (for 30 s, unless
+    # released).
+    real = socket.getaddrinfo
+    lookups = HeldCalls(fails_to_resolve, holds=is_hung_name, limit=30.0)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: (
+        lookups(*args, **kwargs) if is_hung_name(*args) else real(*args, **kwargs)))
+    modules = [("acme", f"hung{i}", "aws", "1.0.0") for i in range(count)]
+    for i, key in enumerate(modules):
+        registry.add_module(*key, f"https://m{i}{HUNG_ZONE}/module.tar.gz")
+    misses: list[asyncio.Task[tuple[float, int]]] = []
+    try:
+        misses = [asyncio.ensure_future(timed_get(
+            client, f"/modules/registry.terraform.io/acme/hung{i}/aws/1.0.0/"
+                    f"hung{i}-aws-1.0.0.tar.gz", limit=60.0)) for i in range(count)]
+        hung = await lookups.settled(minimum=2)
+
+        timings = {path: await timed_get(client, path) for path in hits}
+
+        assert lookups.finished == 0, "the lookups ended before the hits were timed"
+        slow_hits = {path: round(seconds, 3) for path, (seconds, _status) in timings.items()
+                     if seconds >= HIT_BOUND}
+        assert not slow_hits, (f"hits took {slow_hits} s (gave up at {HIT_TIMEOUT} s) while "
+                               f"{hung} name lookups hung")
+        assert all(status == 200 for _seconds, status in timings.values()), timings
+        # The lookups wait in a (bounded) pool of their own.
+        assert all(name.startswith("proxy-dns") for name in lookups.threads), lookups.threads
+    finally:
+        lookups.release()
+        answered = await asyncio.gather(*misses)
+        for key in modules:
+            del registry.modules[key]
+    assert [status for _seconds, status in answered] == [502] * count
+
+
+async def test_cached_answers_need_nothing_from_the_default_executor(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        upstream_ca: trustme.CA) -> None:
+    """Whatever fills asyncio's default executor (a library's blocking calls), a hit does
+    not wait for it: over plain HTTP (sendfile) and over TLS (the file read in pieces)."""
+    hits = [f"{MIRROR}/null/index.json",
+            f"{MIRROR}/null/terraform-provider-null_3.2.1_linux_amd64.zip",
+            f"{TARBALL}/1.0.0/tarball-aws-1.0.0.tar.gz"]
+    config = load_config(write_config(), environ={})
+    client = await make()
+    loop = asyncio.get_running_loop()
+    gate = threading.Event()
+    async with served(create_app(config), upstream_ca) as tls, \
+            aiohttp.ClientSession() as session:
+
+        async def tls_get(path: str) -> tuple[float, int]:
+            async def fetch() -> int:
+                async with session.get(tls.url(path), ssl=tls.client_tls) as response:
+                    await response.read()
+                    return response.status
+            started = time.monotonic()
+            try:
+                status = await asyncio.wait_for(fetch(), HIT_TIMEOUT)
+            except TimeoutError:
+                return HIT_TIMEOUT, 0
+            return time.monotonic() - started, status
+
+        for path in hits:  # cached (one cache for both): from here on they are hits
+            assert (await client.get(path)).status == 200, path
+            assert (await tls_get(path))[1] == 200, path
+        # Every thread of the default executor taken, and more work queued behind them.
+        jammed = [loop.run_in_executor(None, gate.wait, 60.0)
+                  for _ in range(2 * default_executor_threads())]
+        try:
+            timings = {("http", path): await timed_get(client, path) for path in hits}
+            timings |= {("https", path): await tls_get(path) for path in hits}
+        finally:
+            gate.set()
+            await asyncio.gather(*jammed)
+    slow_hits = {key: round(seconds, 3) for key, (seconds, _status) in timings.items()
+                 if seconds >= HIT_BOUND}
+    assert not slow_hits, (f"hits took {slow_hits} s (gave up at {HIT_TIMEOUT} s) while the "
+                           "default executor was busy")
+    assert all(status == 200 for _seconds, status in timings.values()), timings

@@ -280,3 +280,33 @@ async def test_host_dropped_from_config_is_not_served_from_cache(
         response = await second.get(f"{BASE}/{name}")
         assert response.status == 404, name
     assert registry.requests == []
+
+
+@pytest.mark.parametrize("path", [
+    f"{BASE}/{ZIP}",
+    "/modules/registry.terraform.io/acme/tarball/aws/1.0.0/tarball-aws-1.0.0.tar.gz",
+])
+async def test_ranges_and_preconditions_on_cached_files(client: TestClient, path: str) -> None:
+    whole = await (await client.get(path)).read()
+    size = len(whole)
+    part = await client.get(path, headers={"Range": "bytes=10-19"})
+    assert part.status == 206 and await part.read() == whole[10:20]
+    assert part.headers["Content-Range"] == f"bytes 10-19/{size}"
+    etag = part.headers["ETag"]
+    assert (await client.get(path, headers={"If-None-Match": etag})).status == 304
+
+    # Errors are JSON like every other, with what RFC 9110 asks of a 416.
+    for headers, status in [({"Range": f"bytes={size}-"}, 416),
+                            ({"Range": "bytes=oops"}, 416),
+                            ({"If-Match": '"not-this-one"'}, 412)]:
+        response = await client.get(path, headers=headers)
+        assert response.status == status, headers
+        assert response.content_type == "application/json", headers
+        errors = (await response.json())["errors"]
+        assert errors and all(isinstance(e, str) and e for e in errors), errors
+        if status == 416:
+            assert response.headers["Content-Range"] == f"bytes */{size}"
+            assert str(size) in errors[0]
+    head = await client.head(path, headers={"Range": f"bytes={size}-"})
+    assert head.status == 416 and head.content_type == "application/json"
+    assert await head.read() == b""

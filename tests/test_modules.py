@@ -16,6 +16,10 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
+from proxy.errors import UpstreamError
+from proxy.upstream import git
+from proxy.upstream.egress import EgressPolicy
+from proxy.upstream.egress_gate import EgressGate
 from tests.support.fake_registry import FakeRegistry
 
 HOST = "registry.terraform.io"
@@ -224,3 +228,22 @@ async def test_stale_module_versions_with_upstream_down(
     registry.faults.add("down")
     response = await client.get(f"{NET}/versions")
     assert response.status == 200
+
+
+async def test_git_failures_name_no_path_of_the_proxy(
+        registry: FakeRegistry, upstream_ca_file: Path, tmp_path: Path) -> None:
+    """git names the paths it could not write to; what reaches an answer or a log line
+    names none of this machine's."""
+    (tmp_path / "a file").write_text("in the way")
+    destination = tmp_path / "a file" / "tree"
+    gate = EgressGate(EgressPolicy([f"127.0.0.1:{registry.port}"], []), 5.0)
+    try:
+        with pytest.raises(UpstreamError) as failed:
+            await git.clone(f"{registry.url}/git/net.git", "v1.2.0", destination,
+                            time_limit=30.0, ca_file=upstream_ca_file, gate=gate)
+    finally:
+        await gate.close()
+    message = failed.value.message
+    assert message.startswith(f"git clone of {registry.url}/git/net.git failed: "), message
+    assert "<local path>" in message and "a file" not in message, message
+    assert str(tmp_path) not in message and "/tmp" not in message, message

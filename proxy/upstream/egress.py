@@ -27,16 +27,15 @@ import re
 import socket
 import urllib.request
 from collections.abc import Iterable
-from typing import Any
 
 import idna
 from aiohttp import BasicAuth
-from aiohttp.abc import AbstractResolver
-from aiohttp.resolver import DefaultResolver
+from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamError
+from proxy.executors import dns
 from proxy.redaction import excerpt
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -58,9 +57,47 @@ LOCAL_LOOKUP_SECONDS = 2.0
 
 async def lookup(host: str, port: int) -> list[IPAddress]:
     """The addresses this machine's resolver gives for host (the one place the policy
-    resolves names itself)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    resolves names itself), looked up in the DNS pool."""
+    infos = await dns(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     return [ipaddress.ip_address(info[4][0]) for info in infos]
+
+
+async def open_by_name(host: str, port: int
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to host (a name or an address) and port, its name looked up in the DNS
+    pool: asyncio would look it up in the default executor."""
+    literal = address_literal(normal_host(host))
+    addresses = [literal] if literal is not None else await lookup(host, port)
+    failure = OSError(f"{excerpt(host, 200)} has no address")
+    for address in addresses:
+        try:
+            return await asyncio.open_connection(str(address), port)
+        except OSError as exc:
+            failure = exc
+    raise failure
+
+
+def _resolve(host: str, port: int, family: socket.AddressFamily) -> list[ResolveResult]:
+    """getaddrinfo in aiohttp's form, as its threaded resolver makes it (blocking)."""
+    infos = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM,
+                               flags=socket.AI_ADDRCONFIG)
+    results = []
+    for found_family, _type, proto, _name, address in infos:
+        found_host, found_port = str(address[0]), int(address[1])
+        if found_family == socket.AF_INET6:
+            if len(address) < 3:
+                continue  # IPv6 that this Python cannot use
+            if address[3]:  # a scope (link-local): only getnameinfo writes it with its zone
+                found_host, numeric_port = socket.getnameinfo(
+                    (found_host, found_port, address[2], address[3]),
+                    socket.NI_NUMERICHOST | socket.NI_NUMERICSERV)
+                found_port = int(numeric_port)
+        elif found_family != socket.AF_INET:
+            continue
+        results.append(ResolveResult(hostname=host, host=found_host, port=found_port,
+                                     family=found_family, proto=proto,
+                                     flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV))
+    return results
 
 
 def outbound_proxy(url: str) -> tuple[URL, BasicAuth | None] | None:
@@ -261,19 +298,19 @@ def _refusal(host: str, reason: str) -> UpstreamError:
 
 
 class GuardedResolver(AbstractResolver):
-    """The default resolver, with the addresses the policy refuses removed."""
+    """aiohttp's threaded resolver, run in the DNS pool, with the addresses the policy refuses
+    removed."""
 
     def __init__(self, policy: EgressPolicy) -> None:
         self._policy = policy
-        self._inner = DefaultResolver()
 
     async def resolve(self, host: str, port: int = 0,
-                      family: socket.AddressFamily = socket.AF_INET) -> list[Any]:
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
         # OSError is how a resolver fails in aiohttp (a connection error, then a 502);
         # anything else would escape as an internal error.
         try:
             name = target_host(host)
-            results = await self._inner.resolve(host, port, family)
+            results = await dns(_resolve, host, port, family)
         except UpstreamError as exc:
             raise OSError(exc.message) from None
         except ValueError as exc:  # UnicodeError from IDNA encoding, should a name get here
@@ -286,4 +323,4 @@ class GuardedResolver(AbstractResolver):
         return allowed
 
     async def close(self) -> None:
-        await self._inner.close()
+        """Nothing to release: lookups run in the shared DNS pool."""

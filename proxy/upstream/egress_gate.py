@@ -25,7 +25,7 @@ from aiohttp import BasicAuth
 from yarl import URL
 
 from proxy.errors import UpstreamError
-from proxy.upstream.egress import EgressPolicy, normal_host, outbound_proxy
+from proxy.upstream.egress import EgressPolicy, normal_host, open_by_name, outbound_proxy
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class EgressGate:
                              ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(proxy.host, proxy.port), self._timeout)
+                open_by_name(proxy.host or "", proxy.port or 80), self._timeout)
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"cannot reach the outbound proxy {proxy.host}: "
                                 f"{exc or 'timed out'}") from None

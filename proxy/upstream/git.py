@@ -9,17 +9,27 @@ each submodule (see proxy.upstream.egress_gate).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import re
 import ssl
 from pathlib import Path
 
+from proxy.disk_space import looks_full, reported_out_of_space
 from proxy.errors import UpstreamError, UpstreamTimeout
+from proxy.executors import quick
 from proxy.redaction import excerpt, mask_secrets
 from proxy.upstream.egress_gate import EgressGate
 
 # Not the proxy variables: git's only way out is the gate, which honors them itself.
 _PASSED_ENV = ("PATH",)
 _MAX_ERROR = 600
+# Absolute paths in git's messages: quoted (git quotes the paths it names, spaces and all),
+# or a `/` that starts a word (not one inside a URL, a relative path or a replaced root), up
+# to a quote or a space.
+_QUOTED_PATH = re.compile(r"'/[^'\n]*'")
+_LOCAL_PATH = re.compile(r"(?<![\w.:/~>-])/[^\s'\"]*")
+LOCAL_PATH = "<local path>"
 
 
 def git_environment(home: Path, ca_file: Path | None, gate_url: str) -> dict[str, str]:
@@ -49,7 +59,8 @@ def git_environment(home: Path, ca_file: Path | None, gate_url: str) -> dict[str
 
 async def clone(url: str, ref: str | None, destination: Path, *, time_limit: float,
                 ca_file: Path | None, gate: EgressGate) -> None:
-    """Clone url into destination, check out ref, fetch submodules recursively."""
+    """Clone url into destination, check out ref, fetch submodules recursively. OSError
+    (ENOSPC or EDQUOT) when git ran out of space, as a write of the proxy's own would."""
     async with gate.session() as session:
         env = git_environment(destination.parent, ca_file, session.proxy_url)
         deadline = asyncio.get_running_loop().time() + time_limit
@@ -57,11 +68,11 @@ async def clone(url: str, ref: str | None, destination: Path, *, time_limit: flo
                      ["-C", str(destination), "checkout", "--quiet", ref or "HEAD", "--"],
                      ["-C", str(destination), "submodule", "--quiet", "update", "--init",
                       "--recursive"]):
-            await _git(args, env, deadline, url, session.refusals)
+            await _git(args, env, deadline, url, session.refusals, destination.parent)
 
 
 async def _git(args: list[str], env: dict[str, str], deadline: float, url: str,
-               refusals: list[str]) -> None:
+               refusals: list[str], work: Path) -> None:
     refused_before = len(refusals)
     shown = mask_secrets(url)  # the URL git is given may carry credentials; messages never
     remaining = deadline - asyncio.get_running_loop().time()
@@ -85,14 +96,32 @@ async def _git(args: list[str], env: dict[str, str], deadline: float, url: str,
         await process.wait()
         raise
     if process.returncode != 0:
+        step = args[0] if args[0] != "-C" else args[2]
+        output = err.decode("utf-8", "replace").strip()
+        # git writes only in the work directory, on the cache's disk. It does not always name
+        # the cause (a checkout says "unable to write file"): a disk left all but full says it.
+        lacking = reported_out_of_space(output)
+        if lacking is None and await quick(looks_full, work):
+            lacking = errno.ENOSPC
+        if lacking is not None:
+            raise OSError(lacking, f"git {step} ran out of space: {os.strerror(lacking)}")
         # A hop the gate refused says more than git's "CONNECT tunnel failed". git's output
         # may quote the URL (a submodule's too) with its credentials: mask before cutting, or
         # a cut could hide what marks the secret.
         refused = refusals[refused_before:]
         message = mask_secrets(refused[-1]) if refused else \
-            excerpt(err.decode("utf-8", "replace").strip(), _MAX_ERROR, tail=True)
-        raise UpstreamError(f"git {args[0] if args[0] != '-C' else args[2]} of {shown} "
-                            f"failed: {message}")
+            excerpt(without_local_paths(output, work), _MAX_ERROR, tail=True)
+        raise UpstreamError(f"git {step} of {shown} failed: {message}")
+
+
+def without_local_paths(output: str, *roots: Path) -> str:
+    """git's output with every absolute path (roots, such as the work directory in the
+    cache's temp directory, first; then any other, such as git's own files) replaced: no
+    answer or log line shows the proxy's file system."""
+    for root in roots:
+        output = output.replace(str(root), LOCAL_PATH)
+    output = _QUOTED_PATH.sub(f"'{LOCAL_PATH}'", output)
+    return _LOCAL_PATH.sub(LOCAL_PATH, output)
 
 
 def combined_ca_bundle(extra: Path | None, destination: Path) -> Path | None:
