@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -55,57 +56,63 @@ def create_app(config: Config) -> web.Application:
     app.on_response_prepare.append(remember_prepared)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        cache_dir = config.cache.dir
-        disk = DiskSpace(cache_dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
-        archives = ArchiveStore(cache_dir, config.cache.max_size,
-                                on_evict=lambda count, size: metrics.evictions.inc(count),
-                                disk=disk)
-        swept = await slow(archives.sweep_temp)
-        if swept:
-            log.info("removed %d unfinished download(s) left by an earlier run", swept)
-        used = await slow(archives.measure)
-        metrics.cache_bytes.set_function(lambda: archives.used_bytes)
-        metrics.cache_files.set_function(lambda: archives.file_count)
-        metrics.cache_max_bytes.set(config.cache.max_size or 0)
-        log.info("cache holds %d bytes of packages and modules", used)
-        if config.cache.max_size is not None and used > config.cache.max_size:
-            await archives.evict()
-        cache = MetadataCache(cache_dir / "index", disk)
-        egress = EgressPolicy.from_config(config.upstream)
-        session = make_session(config.upstream, egress)
-        http = UpstreamHTTP(session, config.upstream, metrics, egress)
-        discovery = Discovery(http, config.upstream)
-        filters = Filters(config.filters)
-        packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
-                                    config.upstream, metrics, filters)
-        mirror = ProviderMirror(packages, archives, config.upstream, metrics)
-        app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)
-        git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
-        git_gate = EgressGate(egress, config.upstream.connect_timeout)
-        modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
-                                 config, metrics, git_ca, git_gate)
-        if config.auth.enabled:
-            key = await quick(load_signing_key,
-                              StatePaths(config.server.state_dir).signing_key)
-            app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
-        app[ARCHIVES_KEY] = archives
-        app[MIRROR_KEY] = mirror
-        app[MODULES_KEY] = modules
-        try:
+        # Each resource is closed by the stack as soon as it exists: a start that fails
+        # part-way (an unusable signing key, a full disk) leaves nothing open behind it.
+        async with contextlib.AsyncExitStack() as opened:
+            await _open_resources(app, config, metrics, opened)
             yield
-        finally:
-            await modules.close()
-            await git_gate.close()
-            await mirror.close()
-            archives.close()
-            await close_session(session)
-            cache.close()
 
     # Opened first, closed last (cleanup_ctx unwinds in reverse): every resource's blocking
     # calls run on these pools, where hits never queue behind slow work.
     app.cleanup_ctx.append(_thread_pools)
     app.cleanup_ctx.append(resources)
     return app
+
+
+async def _open_resources(app: web.Application, config: Config, metrics: Metrics,
+                          opened: contextlib.AsyncExitStack) -> None:
+    """Build the long-lived objects into app, their closing pushed onto `opened`."""
+    if config.auth.enabled:  # first: a key that cannot be used stops the start at once
+        key = await quick(load_signing_key, StatePaths(config.server.state_dir).signing_key)
+        app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
+    cache_dir = config.cache.dir
+    disk = DiskSpace(cache_dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
+    archives = ArchiveStore(cache_dir, config.cache.max_size,
+                            on_evict=lambda count, size: metrics.evictions.inc(count),
+                            disk=disk)
+    opened.callback(archives.close)
+    swept = await slow(archives.sweep_temp)
+    if swept:
+        log.info("removed %d unfinished download(s) left by an earlier run", swept)
+    used = await slow(archives.measure)
+    metrics.cache_bytes.set_function(lambda: archives.used_bytes)
+    metrics.cache_files.set_function(lambda: archives.file_count)
+    metrics.cache_max_bytes.set(config.cache.max_size or 0)
+    log.info("cache holds %d bytes of packages and modules", used)
+    if config.cache.max_size is not None and used > config.cache.max_size:
+        await archives.evict()
+    cache = MetadataCache(cache_dir / "index", disk)
+    opened.callback(cache.close)
+    egress = EgressPolicy.from_config(config.upstream)
+    session = make_session(config.upstream, egress)
+    opened.push_async_callback(close_session, session)
+    http = UpstreamHTTP(session, config.upstream, metrics, egress)
+    discovery = Discovery(http, config.upstream)
+    filters = Filters(config.filters)
+    packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
+                                config.upstream, metrics, filters)
+    mirror = ProviderMirror(packages, archives, config.upstream, metrics)
+    opened.push_async_callback(mirror.close)
+    app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)
+    git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
+    git_gate = EgressGate(egress, config.upstream.connect_timeout)
+    opened.push_async_callback(git_gate.close)
+    modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
+                             config, metrics, git_ca, git_gate)
+    opened.push_async_callback(modules.close)
+    app[ARCHIVES_KEY] = archives
+    app[MIRROR_KEY] = mirror
+    app[MODULES_KEY] = modules
 
 
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:

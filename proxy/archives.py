@@ -2,7 +2,8 @@
 place only once verified, so a partial or corrupt file is never visible. Readers may follow
 a download while it is written (GrowingFile). The store also keeps the cache within its size
 limit, least recently used first, counting what every process sharing the directory wrote
-and never deleting a file that any of them is sending."""
+and never deleting a file that any of them is sending. A file's access time is its LRU
+clock; its modification time stays that of its bytes (see proxy.file_identity)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 import uuid
 import zipfile
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -35,13 +44,14 @@ from proxy.cache_usage import (
 from proxy.disk_space import DiskSpace, is_out_of_space
 from proxy.errors import IntegrityError, UpstreamError
 from proxy.executors import quick, quick_soon, slow
+from proxy.file_identity import FileIdentity, identity_of
 
 log = logging.getLogger(__name__)
 
 # Followers of a download read in pieces this large: memory per client stays small.
 _CHUNK = 256 << 10
 _AREAS = ("archives", "modules")
-# Access times are recorded on the files' mtime, at most this often per file.
+# Uses are recorded on the files' access time, at most this often per file.
 _TOUCH_INTERVAL = 60.0
 # Eviction frees down to this share of the limit, so it does not run on every fill.
 _LOW_WATER = 0.9
@@ -60,6 +70,7 @@ class StoredArchive:
     path: Path
     size: int
     sha256: str
+    identity: FileIdentity  # as published: what a later hit compares against
 
 
 class GrowingFile:
@@ -229,7 +240,7 @@ class ArchiveStore:
         self.used_bytes, self.file_count = usage.bytes, usage.files
 
     def _scan(self) -> Usage:
-        sizes = [size for _path, size, _mtime in self._files()]
+        sizes = [size for _path, size, _used in self._files()]
         return Usage(sum(sizes), len(sizes), time.time())
 
     def _record(self, ledger: HeldLedger, size: int, files: int) -> Usage:
@@ -252,7 +263,7 @@ class ArchiveStore:
                         info = path.stat()
                     except FileNotFoundError:
                         continue
-                    yield path, info.st_size, info.st_mtime
+                    yield path, info.st_size, info.st_atime
 
     def versions_held(self, parts: Sequence[str]) -> set[str]:
         """Names of the version directories under parts that hold at least one file."""
@@ -276,6 +287,15 @@ class ArchiveStore:
         path = self.path_for(parts)
         return path if await quick(os.path.isfile, path) else None
 
+    async def identity(self, path: Path) -> FileIdentity | None:
+        """The identity of the stored file at path (one stat, a hit's first call: on the
+        quick pool); None if there is none."""
+        try:
+            info = await quick(os.stat, path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return identity_of(info) if stat.S_ISREG(info.st_mode) else None
+
     def temp_file(self) -> Path:
         """A fresh temp file name (not created)."""
         return self.tmp / f"{uuid.uuid4().hex}.part"
@@ -298,11 +318,11 @@ class ArchiveStore:
         return handle
 
     def touch(self, path: Path) -> None:
-        """Record a use (the file's mtime is the LRU clock), at most once a minute."""
+        """Record a use (the file's access time is the LRU clock), at most once a minute."""
         now = time.monotonic()
         if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
             self._touched[path] = now
-            quick_soon(_utime_quietly, path)
+            quick_soon(_record_use_quietly, path)
 
     # --- publishing and eviction ---------------------------------------------------------
 
@@ -352,10 +372,10 @@ class ArchiveStore:
         ledger.write(usage)
         return removed, usage
 
-    async def discard(self, path: Path, identity: tuple[int, int] | None) -> bool:
+    async def discard(self, path: Path, identity: FileIdentity | None) -> bool:
         """Delete a stored file found damaged, unless another file replaced it since it was
-        read (identity: the (st_dev, st_ino) read; None: whatever is there). Returns whether
-        a file went."""
+        read (identity: of the file read; None: whatever is there). Returns whether a file
+        went."""
         usage = await self._usage.run_locked(
             lambda ledger: self._discard_locked(ledger, path, identity))
         if usage is None:
@@ -365,10 +385,12 @@ class ArchiveStore:
         return True
 
     def _discard_locked(self, ledger: HeldLedger, path: Path,
-                        identity: tuple[int, int] | None) -> Usage | None:
+                        identity: FileIdentity | None) -> Usage | None:
         try:
             info = path.stat()
-            if identity is not None and (info.st_dev, info.st_ino) != identity:
+            # The whole identity, not the inode alone: a fill's new file may reuse the inode
+            # number the dropped one freed.
+            if identity is not None and identity_of(info) != identity:
                 return None
             path.unlink()
         except FileNotFoundError:
@@ -376,10 +398,12 @@ class ArchiveStore:
         return self._record(ledger, -info.st_size, -1)
 
     async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
-                    expected_sha256: str, progress: GrowingFile | None = None
+                    expected_sha256: str, progress: GrowingFile | None = None,
+                    published: Callable[[StoredArchive], Awaitable[None]] | None = None
                     ) -> StoredArchive:
         """Write a provider zip to a temp file (readers may follow it through `progress`),
-        check sha256 and that it is a zip, publish."""
+        check sha256 and that it is a zip, publish, then await `published` (recording what
+        vouches for the file) before the readers get the end of it."""
         temp = progress.temp if progress is not None else self.temp_file()
         digest = hashlib.sha256()
         size = 0
@@ -397,6 +421,8 @@ class ArchiveStore:
                     if progress is not None:
                         progress.advance(len(chunk))
                 await slow(os.fsync, handle.fileno())  # flushes a whole package
+                # Written: the identity publishing keeps (a rename changes none of it).
+                identity = identity_of(await quick(os.fstat, handle.fileno()))
             actual = digest.hexdigest()
             if actual != expected_sha256:
                 raise IntegrityError("checksum", f"package sha256 {actual} does not match the "
@@ -405,7 +431,11 @@ class ArchiveStore:
             # so that readers following the download are not held up by it.
             if not await quick(zipfile.is_zipfile, temp):
                 raise IntegrityError("archive", "package is not a valid zip")
-            final = await self.publish(temp, parts)
+            stored = StoredArchive(await self.publish(temp, parts), size, actual, identity)
+            if published is not None:
+                # A client that has the whole file (a `warm` about to stop the proxy) then
+                # finds it recorded.
+                await published(stored)
         except BaseException as exc:
             # Synchronous on purpose: this also runs when the fill is cancelled.
             temp.unlink(missing_ok=True)
@@ -420,8 +450,8 @@ class ArchiveStore:
                 raise error from exc
             raise
         if progress is not None:
-            progress.complete(final)
-        return StoredArchive(final, size, actual)
+            progress.complete(stored.path)
+        return stored
 
 
 _LOCK_NAME = ".owner.lock"
@@ -475,8 +505,13 @@ class FillLock:
             self._handle = None
 
 
-def _utime_quietly(path: Path) -> None:
+def _record_use_quietly(path: Path) -> None:
+    # The access time alone: the modification time must keep saying when the bytes were
+    # written, for the check that a stored file is still the one verified. (A write landing
+    # between the stat and the utime would have its mtime put back: the price of there being
+    # no portable way to leave one of the two times alone.)
     try:
-        os.utime(path)
+        info = os.stat(path)
+        os.utime(path, ns=(time.time_ns(), info.st_mtime_ns))
     except OSError:
         pass

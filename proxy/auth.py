@@ -24,13 +24,27 @@ _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
 
 
+class SigningKeyError(ValueError):
+    """The URL signing key cannot be read or created: the proxy cannot start (the message
+    names the file and what to do)."""
+
+
 def load_signing_key(path: Path) -> bytes:
     """The URL signing key, created (0600) on first use; kept so that URLs handed out stay
-    valid across restarts and are valid in every process sharing the state directory."""
+    valid across restarts and are valid in every process sharing the state directory.
+    Raises SigningKeyError if it is unusable."""
     try:
-        return _read_signing_key(path)
-    except FileNotFoundError:
-        pass
+        try:
+            return _read_signing_key(path)
+        except FileNotFoundError:
+            pass
+        return _create_signing_key(path)
+    except OSError as exc:
+        raise SigningKeyError(f"cannot read or create the URL signing key {path}: "
+                              f"{exc.strerror or exc}") from None
+
+
+def _create_signing_key(path: Path) -> bytes:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Several processes (workers) may get here at once. Each writes a whole key to its own
     # temp file and links it to the final name, which only the first one can do; everyone
@@ -53,9 +67,9 @@ def load_signing_key(path: Path) -> bytes:
 def _read_signing_key(path: Path) -> bytes:
     key = path.read_bytes()
     if len(key) < _KEY_BYTES:
-        raise ValueError(f"{path} holds {len(key)} bytes, not a {_KEY_BYTES}-byte URL signing "
-                         "key: delete it to have a new one created (URLs signed with the old "
-                         "one stop working)")
+        raise SigningKeyError(f"the URL signing key {path} holds {len(key)} bytes, not "
+                              f"{_KEY_BYTES}: delete it to have a new one created (URLs "
+                              "signed with the old one stop working)")
     return key
 
 

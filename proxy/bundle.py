@@ -16,6 +16,7 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ from proxy.constraints import newest_matching
 from proxy.errors import IntegrityError
 from proxy.hashes import h1_of_zip
 from proxy.models import ModuleAddress, Platform, ProviderAddress
+from proxy.module_packing import read_packed
+from proxy.module_registry import module_archive_key, recorded_sha256
 from proxy.registry_documents import parse_sha256sums, without_upstream_urls
 from proxy.settings import Config
 from proxy.signatures import verify_detached
@@ -148,16 +151,24 @@ def export_bundle(config: Config, output: Path,
                                     "providers": [], "modules": [], "versions": {},
                                     "files": {}}
         temp = output.with_name(output.name + ".part")
-        with tarfile.open(temp, "w") as tar:
+        with _removed_on_failure(temp), tarfile.open(temp, "w") as tar:
             def add_data(member: str, data: bytes) -> None:
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
 
-            def add(member: str, path: Path | None = None, data: bytes | None = None) -> None:
+            def add(member: str, path: Path | None = None, data: bytes | None = None,
+                    stored_with: str | None = None, what: str = "") -> None:
                 if path is not None:
-                    manifest["files"][member] = file_entry(path.stat().st_size,
-                                                           _sha256(path))
+                    digest = _sha256(path)
+                    # Never sign a file damaged or altered on disk since it was stored.
+                    if stored_with is not None and digest != stored_with.lower():
+                        raise BundleError(
+                            f"{what}: {path} does not match the sha256 it was stored with "
+                            "(damaged or altered on disk); nothing was exported. Delete "
+                            "that file (the proxy fetches it again when next asked for it) "
+                            "and export again")
+                    manifest["files"][member] = file_entry(path.stat().st_size, digest)
                     tar.add(str(path), arcname=member, recursive=False)
                 else:
                     assert data is not None
@@ -174,7 +185,8 @@ def export_bundle(config: Config, output: Path,
                 base = f"providers/{provider}/{version}"
                 # Records of older releases still hold upstream's (maybe presigned) URLs.
                 document = record.get("document")
-                entry = {**record, "hostname": provider.hostname,
+                entry = {**{k: v for k, v in record.items() if k != "stored_as"},
+                         "hostname": provider.hostname,
                          "namespace": provider.namespace, "type": provider.type,
                          "version": version, "platform": platform.key,
                          "zip": f"{base}/{path.name}",
@@ -182,7 +194,8 @@ def export_bundle(config: Config, output: Path,
                          "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig",
                          "document": without_upstream_urls(document)
                          if isinstance(document, dict) else None}
-                add(entry["zip"], path=path)
+                add(entry["zip"], path=path, stored_with=record["shasum"],
+                    what=f"{provider} {version} {platform.key}")
                 if entry["sums"] not in manifest["files"]:
                     add(entry["sums"], data=bytes(sums["sums"]))
                     add(entry["signature"], data=bytes(sums["signature"]))
@@ -195,7 +208,10 @@ def export_bundle(config: Config, output: Path,
                 if not _selected(requirements, module, version, held):
                     continue
                 member = f"modules/{module}/{path.name}"
-                add(member, path=path)
+                recorded = recorded_sha256(index.get(module_archive_key(module, version)))
+                if recorded is None:  # stored before sha256s were recorded
+                    _require_intact_module(module, version, path)
+                add(member, path=path, stored_with=recorded, what=f"module {module} {version}")
                 manifest["modules"].append({
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
@@ -219,6 +235,27 @@ def export_bundle(config: Config, output: Path,
     finally:
         index.close()
         store.close()
+
+
+@contextmanager
+def _removed_on_failure(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _require_intact_module(module: ModuleAddress, version: str, path: Path) -> None:
+    """A module archive no recorded sha256 vouches for must at least read as an intact
+    .tar.gz (gzip's checksum covers every byte)."""
+    with open(path, "rb") as handle:
+        try:
+            read_packed(handle)
+        except ValueError as exc:
+            raise BundleError(f"module {module} {version}: {path} is damaged ({exc}); "
+                              "nothing was exported. Delete that file (the proxy fetches it "
+                              "again when next asked for it) and export again") from None
 
 
 # --- import ----------------------------------------------------------------------------
@@ -340,19 +377,25 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
 def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
                   staged: dict[str, Path], listed: dict[str, tuple[int, str]],
                   modules: Sequence[ModuleEntry]) -> int:
-    """Plan the module archives and their version lists; returns how many the cache
-    already holds. A different archive under the same name refuses the bundle."""
+    """Plan the module archives, the sha256 each is served and exported against, and their
+    version lists; returns how many the cache already holds. A different archive under the
+    same name refuses the bundle."""
     present = 0
     for entry in modules:
+        size, sha256 = listed[entry.archive]
         final = store.path_for(entry.archive_parts)
         held = regular_sha256(final)
-        if held == listed[entry.archive][1]:
+        if held == sha256:
             present += 1
         elif held is not None:
             raise BundleError(f"{entry.archive}: the cache holds a different module "
                               "archive under this name")
         else:
             changes.put_file(staged[entry.archive], final)
+        record_key = module_archive_key(entry.module, entry.version)
+        if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
+            # No identity yet: the first hit reads the archive once against this sha256.
+            changes.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
         plan_list(changes, index, f"module-versions/{entry.module}", [entry.version], str)
     return present
 

@@ -51,13 +51,13 @@ def mark_in_use(fd: int) -> None:
 
 def evict_least_recently_used(files: list[tuple[Path, int, float]], limit: int, target: int,
                               keep: Path | None) -> tuple[list[tuple[Path, int]], Usage]:
-    """Given every stored (path, size, mtime), and if they exceed limit: delete the oldest
-    until target, skipping keep and files in use. Returns what was deleted (path, size) and
-    the usage left. Blocks; the caller holds the ledger."""
+    """Given every stored (path, size, last use), and if they exceed limit: delete the least
+    recently used until target, skipping keep and files in use. Returns what was deleted
+    (path, size) and the usage left. Blocks; the caller holds the ledger."""
     total, count = sum(size for _p, size, _m in files), len(files)
     removed: list[tuple[Path, int]] = []
     if total > limit:
-        for path, size, _mtime in sorted(files, key=lambda f: f[2]):
+        for path, size, _used in sorted(files, key=lambda f: f[2]):
             if total <= target:
                 break
             if path == keep:

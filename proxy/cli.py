@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from proxy import __version__
 from proxy.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.app import create_app
+from proxy.auth import SigningKeyError, load_signing_key
 from proxy.bundle import (
     export_bundle,
     import_bundle,
@@ -368,6 +369,11 @@ def _serve(config: Config) -> int:
         where = (f"server.tls_cert {server.tls_cert} / server.tls_key {server.tls_key}"
                  if server.tls_cert else f"generated certificate under {server.state_dir}/tls")
         return _fail(f"cannot load the serving certificate ({where}): {exc}")
+    if config.auth.enabled:
+        try:  # once, here: workers would each fail on a bad key, each with its own message
+            load_signing_key(StatePaths(server.state_dir).signing_key)
+        except SigningKeyError as exc:
+            return _fail(f"cannot start: {exc}")
     if server.workers > 1:
         return _serve_workers(config, certificate.ca)
     return _run_loop(_run(config, context, certificate.ca), server.event_loop)
@@ -463,10 +469,12 @@ async def _run(config: Config, context: ssl.SSLContext, generated_ca: Path | Non
                          keepalive_timeout=server.keepalive_timeout)
     try:
         await runner.setup()  # opens the cache: its directories, the index
-    except (OSError, sqlite3.Error) as exc:  # e.g. a full disk: one clear line, exit 2
+    except (SigningKeyError, OSError, sqlite3.Error) as exc:
         with contextlib.suppress(Exception):  # close what started before the failure
             await runner.app.cleanup()
-        return _fail(describe_start_failure(config.cache.dir, exc))
+        if isinstance(exc, SigningKeyError):  # damaged, or the state directory not writable
+            return _fail(f"cannot start: {exc}")
+        return _fail(describe_start_failure(config.cache.dir, exc))  # e.g. a full disk
     trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
                   else "clients must trust the CA that issued server.tls_cert")
     failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)

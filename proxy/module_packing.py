@@ -15,6 +15,7 @@ import shutil
 import stat
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -171,6 +172,24 @@ def _pack_into(raw: BinaryIO, module_root: Path, root: Path, max_bytes: int) -> 
                     tar.addfile(info, handle)
             else:
                 raise UnsafeArchive(f"module holds a special file: {relative}")
+
+
+def read_packed(handle: BinaryIO) -> None:
+    """Read a packed module archive (an open file) through to its end, member data too, so
+    that gzip checks its CRC; raises ValueError if it is not an intact `.tar.gz`."""
+    try:
+        with gzip.GzipFile(fileobj=handle, mode="rb") as unzipped:
+            with tarfile.open(fileobj=unzipped, mode="r|") as tar:
+                for member in tar:
+                    data = tar.extractfile(member) if member.isfile() else None
+                    if data is not None:
+                        while data.read(1 << 20):
+                            pass
+            # tar stops at its end marker; gzip checks its CRC and length only at the end.
+            while unzipped.read(1 << 20):
+                pass
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ValueError(f"not an intact .tar.gz ({exc or type(exc).__name__})") from None
 
 
 def _walk(top: Path) -> list[Path]:

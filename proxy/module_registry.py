@@ -4,7 +4,8 @@ https://developer.hashicorp.com/terraform/internals/module-registry-protocol
 Operations: list_versions, download (answered from the version list alone, at once: clients
 give it 10 s), archive (fetch the source on a miss: https archive or git clone, apply the
 subdirectory, repack as .tar.gz, store; the slow part, on a request clients do not time out).
-Clients never see upstream's location.
+Clients never see upstream's location. Each archive's sha256 is recorded when it is packed:
+a hit on a file written to since is checked against it first (see proxy.file_identity).
 """
 
 from __future__ import annotations
@@ -21,20 +22,32 @@ from proxy.config import Config
 from proxy.disk_space import is_out_of_space
 from proxy.errors import NotFound, Offline, ProxyError
 from proxy.executors import quick, slow
+from proxy.file_identity import (
+    FileIdentity,
+    identity_from_record,
+    identity_to_record,
+)
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
 from proxy.models import ModuleAddress
-from proxy.module_packing import pack, select_subdir, unpack
+from proxy.module_packing import pack, read_packed, select_subdir, unpack
 from proxy.module_sources import ModuleSource, UnsupportedSource, parse_source
 from proxy.redaction import excerpt, mask_secrets
 from proxy.singleflight import SingleFlight
+from proxy.stored_hashes import CheckedFiles, DamagedFile, adopt_stored, fingerprint
 from proxy.upstream import git
 from proxy.upstream.egress_gate import EgressGate
 from proxy.upstream.http import UpstreamHTTP
 from proxy.upstream.module_registry import ModuleRegistryClient
 
 log = logging.getLogger(__name__)
+
+
+def module_archive_key(module: ModuleAddress, version: str) -> str:
+    """The index key of what was recorded about a stored module archive: its sha256, size
+    and identity (`sha256`, `size`, `stored_as`)."""
+    return f"module-archive/{module}/{version}"
 
 
 class ModuleRegistry:
@@ -57,10 +70,12 @@ class ModuleRegistry:
             encode=list, decode=list, offline=config.upstream.offline)
         self._archive_fills: SingleFlight[Path] = SingleFlight()
         self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
+        self._checked = CheckedFiles()
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
         await self._archive_fills.cancel_all()
+        await self._checked.close()
         await self._version_lists.close()
 
     def _require_served(self, module: ModuleAddress) -> None:
@@ -97,8 +112,7 @@ class ModuleRegistry:
         """The repacked module archive, fetched from its source on a miss (waiting for a
         fetch already under way rather than starting another)."""
         self._require_served(module)
-        parts = self._archive_parts(module, version)
-        path = await self._archives.lookup(parts)
+        path = await self._stored(module, version)
         if path is not None:
             self._metrics.cache_lookups.labels("module", "hit").inc()
             return path
@@ -119,6 +133,75 @@ class ModuleRegistry:
     def _archive_parts(module: ModuleAddress, version: str) -> list[str]:
         return ["modules", module.hostname, module.namespace, module.name, module.system,
                 f"{version}.tar.gz"]
+
+    async def _stored(self, module: ModuleAddress, version: str,
+                      check: bool = True) -> Path | None:
+        """The stored archive while it is the file whose sha256 was recorded; one written to
+        since is read again first (check; without it, under the fill lock, it is just not
+        used), and dropped if it no longer matches. One stored before sha256s were recorded
+        is adopted if it reads through as an intact .tar.gz."""
+        path = self._archives.path_for(self._archive_parts(module, version))
+        identity = await self._archives.identity(path)
+        if identity is None:
+            return None
+        if self._checked.seen(path, identity):  # the common hit: one stat, no index read
+            return path
+        record = await self._cache.get(module_archive_key(module, version)) or {}
+        recorded = recorded_sha256(record)
+        if recorded is not None and identity_from_record(record.get("stored_as")) == identity:
+            self._checked.remember(path, identity)
+            return path
+        if not check:
+            return None
+        try:
+            checked = await self._read_again(module, version, path, identity, recorded)
+        except DamagedFile as damage:
+            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+                await self._drop_damaged(module, version, path, damage)
+            if self._config.upstream.offline:
+                raise Offline(f"the stored archive of module {module} {version} was damaged, "
+                              "and the proxy is offline") from None
+            return None
+        if checked is None:
+            return None  # gone meanwhile
+        self._checked.remember(path, checked[1])
+        await self._record(module, version, *checked)
+        return path
+
+    async def _read_again(self, module: ModuleAddress, version: str, path: Path,
+                          identity: FileIdentity, recorded: str | None
+                          ) -> tuple[str, FileIdentity] | None:
+        """The sha256 and identity of a stored archive that matches its record, or that is
+        intact when it has none; None when it is gone. Raises DamagedFile."""
+        if recorded is not None:
+            checked = await self._checked.verify(path, identity, recorded)
+            return None if checked is None else (recorded, checked)
+        adopted = await adopt_stored(path, read_packed)
+        if adopted is not None:
+            log.info("module %s %s: recorded the sha256 of an archive stored without one",
+                     module, version)
+        return adopted
+
+    async def _record(self, module: ModuleAddress, version: str, sha256: str,
+                      identity: FileIdentity) -> None:
+        await self._cache.set(module_archive_key(module, version), {
+            "sha256": sha256, "size": identity.size,
+            "stored_as": identity_to_record(identity)})
+
+    async def _drop_damaged(self, module: ModuleAddress, version: str, path: Path,
+                            damage: DamagedFile) -> None:
+        """Delete a damaged stored archive and its record, then count and log it: once, by
+        whoever deletes it. Runs under the module's fill lock."""
+        self._checked.forget(path)
+        if not await self._archives.discard(path, damage.identity):
+            # Gone, or replaced by a fill since it was read: the record is the fill's.
+            log.info("module %s %s: the stored archive %s; already dropped or replaced",
+                     module, version, damage.message)
+            return
+        await self._cache.delete(module_archive_key(module, version))
+        self._metrics.integrity_failures.labels(damage.kind).inc()
+        log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
+                  "fetched again", damage.kind, module, version, damage.message)
 
     def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[Path]:
         return self._archive_fills.start(("module", str(module), version),
@@ -149,7 +232,8 @@ class ModuleRegistry:
 
     async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
         parts = self._archive_parts(module, version)
-        published = await self._archives.lookup(parts)  # a fill that just finished
+        # Just published by another fill? (Not a file to check: it is replaced.)
+        published = await self._stored(module, version, check=False)
         if published is not None:
             return published
         if version not in await self._versions(module, wanted=version):
@@ -158,9 +242,9 @@ class ModuleRegistry:
         source = parse_source(location)
         log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
         async with self._fill_slots:
-            return await self._build(module, source, parts)
+            return await self._build(module, version, source, parts)
 
-    async def _build(self, module: ModuleAddress, source: ModuleSource,
+    async def _build(self, module: ModuleAddress, version: str, source: ModuleSource,
                      parts: list[str]) -> Path:
         limit = self._config.modules.max_archive_size
         work = await quick(self._archives.work_dir)
@@ -171,7 +255,13 @@ class ModuleRegistry:
             packed = self._archives.temp_file()
             try:
                 await slow(pack, module_root, packed, limit)
-                return await self._archives.publish(packed, parts)
+                # Recorded first: no moment when the archive is there and nothing vouches
+                # for it. Publishing renames it, which leaves its identity as it is.
+                sha256, identity = await slow(fingerprint, packed)
+                await self._record(module, version, sha256, identity)
+                published = await self._archives.publish(packed, parts)
+                self._checked.remember(published, identity)
+                return published
             except BaseException:
                 packed.unlink(missing_ok=True)
                 raise
@@ -195,3 +285,9 @@ class ModuleRegistry:
         await self._http.download(source.url, module.hostname, download, limit)
         await slow(unpack, download, source.archive, tree, limit)
         return tree
+
+
+def recorded_sha256(record: object) -> str | None:
+    """The sha256 a module archive record holds; None if it is not such a record."""
+    sha256 = record.get("sha256") if isinstance(record, dict) else None
+    return sha256 if isinstance(sha256, str) else None

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from proxy.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.archives import ArchiveStore, FillLock, GrowingFile, StoredArchive
 from proxy.config import UpstreamConfig
 from proxy.disk_space import is_out_of_space
 from proxy.errors import (
@@ -25,11 +24,12 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.executors import quick
+from proxy.file_identity import FileIdentity
 from proxy.hashes import zh_hash
 from proxy.metrics import Metrics
 from proxy.models import Platform, ProviderAddress, version_sort_key
 from proxy.redaction import mask_secrets
-from proxy.stored_hashes import DamagedFile, h1_of_stored
+from proxy.stored_hashes import CheckedFiles, DamagedFile, h1_of_stored
 from proxy.verified_packages import VerifiedPackage, VerifiedPackages
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ProviderMirror:
         self._archive_ready: dict[tuple[str, ...], asyncio.Future[Path | GrowingFile]] = {}
         self._archive_tasks: set[asyncio.Task[None]] = set()
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
-        self._verified_sizes: dict[Path, int] = {}
+        self._checked = CheckedFiles()
 
     async def close(self) -> None:
         """Stop fills under way (shutdown); their temp files are swept at the next start."""
@@ -63,6 +63,7 @@ class ProviderMirror:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._checked.close()
         await self.packages.close()
 
     # --- protocol operations -------------------------------------------------------------
@@ -161,6 +162,10 @@ class ProviderMirror:
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         key = (str(provider), version, platform.key)
         ready = self._archive_ready.get(key)
+        if ready is not None and _published(ready):
+            # Its fill is still finishing (the h1 pass), yet the file was not found just now:
+            # it left the cache since (evicted, dropped as damaged). Fill again.
+            ready = None
         if ready is None:
             ready = asyncio.get_running_loop().create_future()
             ready.add_done_callback(_retrieve)
@@ -180,27 +185,55 @@ class ProviderMirror:
         if not ready.done():
             ready.set_exception(error or UpstreamError("the download was interrupted"))
 
-    async def _stored(self, provider: ProviderAddress, version: str,
-                      platform: Platform) -> Path | None:
+    async def _stored(self, provider: ProviderAddress, version: str, platform: Platform,
+                      check: bool = True) -> Path | None:
         """The stored zip, only if a verified record vouches for it (a file that is on disk
-        without one, e.g. after the index was lost, is fetched and checked again)."""
-        parts = self.packages.archive_parts(provider, version, platform)
-        found = await self._archives.lookup(parts)
-        if found is None:
+        without one, e.g. after the index was lost, is fetched and checked again), and only
+        while it is the file whose bytes were checked: one that was written to since is read
+        again first (check; without it, under the fill lock, it is just not used), and
+        dropped if it is not the signed package."""
+        found = self._archives.path_for(self.packages.archive_parts(provider, version,
+                                                                    platform))
+        identity = await self._archives.identity(found)
+        if identity is None:
             return None
-        try:
-            size = (await quick(os.stat, found)).st_size  # a hit: on the quick pool
-        except FileNotFoundError:
-            return None  # evicted (by another process) since the lookup
-        if self._verified_sizes.get(found) == size:
+        if self._checked.seen(found, identity):  # the common hit: one stat, no index read
             return found
         package = await self.packages.stored_facts(provider, version, platform)
-        if package is not None and package.size == size:
-            self._verified_sizes[found] = size
+        if package is None or package.size != identity.size:
+            log.warning("%s is on disk without a matching verified record; fetching it again",
+                        found)
+            return None
+        if package.stored_as == identity:
+            self._checked.remember(found, identity)
             return found
-        log.warning("%s is on disk without a matching verified record; fetching it again",
-                    found)
-        return None
+        if not check:
+            return None
+        # Written to, replaced or restored since its bytes were checked (or checked before
+        # identities were recorded): read it again before a client gets it.
+        try:
+            checked = await self._checked.verify(found, identity, package.shasum)
+        except DamagedFile as damage:
+            async with self._fill_lock(provider, version, platform):
+                await self._drop_damaged(provider, version, platform, found, damage)
+            if self._config.offline:
+                raise Offline(f"the stored package {provider} {version} {platform.key} was "
+                              "damaged, and the proxy is offline") from None
+            return None
+        if checked is not None:
+            await self._record_identity(provider, version, platform, package, checked)
+        return found if checked is not None else None
+
+    async def _record_identity(self, provider: ProviderAddress, version: str,
+                               platform: Platform, package: VerifiedPackage,
+                               identity: FileIdentity) -> None:
+        """Note which file now holds the checked bytes, so that other processes (and the
+        next start) need not read it again."""
+        current = await self.packages.stored_facts(provider, version, platform)
+        if current is not None and (current.shasum, current.size) == (package.shasum,
+                                                                       identity.size):
+            await self.packages.save(provider, version, platform,
+                                     replace(current, stored_as=identity))
 
     # --- archives ------------------------------------------------------------------------
 
@@ -241,25 +274,36 @@ class ProviderMirror:
 
     async def _drop_damaged(self, provider: ProviderAddress, version: str, platform: Platform,
                             path: Path, damage: DamagedFile) -> None:
-        """Count and log a damaged stored zip, then delete it and the facts recorded about the
-        file (size, h1; the signed facts stay). Runs under the package's fill lock."""
-        self._verified_sizes.pop(path, None)
-        dropped = await self._archives.discard(path, damage.identity)
-        self.packages.integrity(damage.kind, f"{provider} {version} {platform.key}: the stored "
-                                f"file {damage.message}; " + ("dropped, to be fetched again"
-                                                              if dropped else "already gone"))
-        if not dropped:
-            return  # gone, or replaced by a fill since it was read: its facts are not ours
+        """Delete a damaged stored zip and the facts recorded about the file (size, h1; the
+        signed facts stay), then count and log it: once, by whoever deletes it. Runs under the
+        package's fill lock."""
+        self._checked.forget(path)
+        what = f"{provider} {version} {platform.key}: the stored file {damage.message}"
+        if not await self._archives.discard(path, damage.identity):
+            # Gone, or replaced since it was read (by whoever dropped it first, then a fill):
+            # counted by whoever dropped it; the facts are not about this file.
+            log.info("%s; already dropped or replaced", what)
+            return
+        self.packages.integrity(damage.kind, f"{what}; dropped, to be fetched again")
         record = await self.packages.stored_facts(provider, version, platform)
         if record is not None:
             await self.packages.save(provider, version, platform,
-                                     replace(record, h1=None, size=None))
+                                     replace(record, h1=None, size=None, stored_as=None))
+
+    async def _vouch(self, provider: ProviderAddress, version: str, platform: Platform,
+                     package: VerifiedPackage, stored: StoredArchive) -> None:
+        """Record the size and identity of a zip just published (before its followers get
+        its last byte)."""
+        self._checked.remember(stored.path, stored.identity)
+        await self.packages.save(provider, version, platform,
+                                 replace(package, size=stored.size, stored_as=stored.identity))
 
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
                             ready: asyncio.Future[Path | GrowingFile]) -> None:
         try:
             async with self._fill_lock(provider, version, platform):
-                published = await self._stored(provider, version, platform)  # just finished
+                # Just published by another fill? (Not a file to check: it is replaced.)
+                published = await self._stored(provider, version, platform, check=False)
                 if published is not None:
                     ready.set_result(published)
                     return
@@ -298,16 +342,16 @@ class ProviderMirror:
                     try:
                         stored = await self._archives.store(
                             self.packages.archive_parts(provider, version, platform),
-                            download.chunks, package.shasum, growing)
+                            download.chunks, package.shasum, growing,
+                            lambda stored: self._vouch(provider, version, platform,
+                                                       package, stored))
                     except IntegrityError as exc:
                         raise self.packages.integrity(exc.kind, f"{provider} {version} "
                                               f"{platform.key}: {exc.message}") from None
             finally:
                 self._metrics.fills_in_flight.dec()
-        # The record that vouches for the file first; its h1 (a full read) after.
-        self._verified_sizes[stored.path] = stored.size
-        package = replace(package, size=stored.size)
-        await self.packages.save(provider, version, platform, package)
+        # The record that vouches for the file was saved (_vouch); its h1 (a full read) now.
+        package = replace(package, size=stored.size, stored_as=stored.identity)
         try:
             h1 = await h1_of_stored(stored.path, package.shasum)
         except DamagedFile as damage:  # changed on disk since it was checked
@@ -315,6 +359,14 @@ class ProviderMirror:
             return
         if h1 is not None:
             await self.packages.save(provider, version, platform, replace(package, h1=h1))
+
+
+def _published(ready: asyncio.Future[Path | GrowingFile]) -> bool:
+    """Whether the fill behind ready already published its file."""
+    if not ready.done() or ready.cancelled() or ready.exception() is not None:
+        return False
+    source = ready.result()
+    return not isinstance(source, GrowingFile) or source.final is not None
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

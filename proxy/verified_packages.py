@@ -13,6 +13,7 @@ from proxy.cache import MetadataCache
 from proxy.config import UpstreamConfig
 from proxy.errors import IntegrityError, NotFound
 from proxy.executors import quick
+from proxy.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.filters import Filters
 from proxy.freshness import RefreshingDocuments
 from proxy.metrics import Metrics
@@ -46,6 +47,9 @@ class VerifiedPackage:
     size: int | None = None  # of the zip as stored, once it was
     sums_id: str | None = None  # which signed SHA256SUMS vouches for it
     document: dict[str, Any] | None = None  # upstream's download document, as published
+    # The stored zip as it was when its bytes last matched shasum: a hit on a file that no
+    # longer looks like this reads it again before serving it.
+    stored_as: FileIdentity | None = None
 
 
 class VerifiedPackages:
@@ -105,7 +109,9 @@ class VerifiedPackages:
     async def save(self, provider: ProviderAddress, version: str, platform: Platform,
                    package: VerifiedPackage) -> None:
         """Record (updated) facts about a package."""
-        await self._cache.set(self.package_key(provider, version, platform), asdict(package))
+        record = asdict(package)
+        record["stored_as"] = identity_to_record(package.stored_as)
+        await self._cache.set(self.package_key(provider, version, platform), record)
 
     async def stored_facts(self, provider: ProviderAddress, version: str,
                            platform: Platform) -> VerifiedPackage | None:
@@ -210,7 +216,8 @@ def _entry_from_record(record: dict[str, Any]) -> VersionEntry:
 
 def _package_from_record(record: dict[str, Any]) -> VerifiedPackage:
     return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"),
-                           record.get("size"), record.get("sums_id"), record.get("document"))
+                           record.get("size"), record.get("sums_id"), record.get("document"),
+                           identity_from_record(record.get("stored_as")))
 
 
 def sums_id(shasums_url: str) -> str:

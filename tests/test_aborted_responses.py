@@ -208,7 +208,7 @@ async def test_failure_before_headers_is_still_a_json_error(
         if failing == "package lookup":
             path, route = f"{BASE}/{ZIP}", "mirror"
             assert (await proxy.raw_get(path)).status == 200
-            monkeypatch.setattr(ArchiveStore, "lookup", broken)
+            monkeypatch.setattr(ArchiveStore, "identity", broken)  # the hit's stat
         else:
             path, route = MODULE_ARCHIVE, "module"
             monkeypatch.setattr(aiofiles.os, "replace", broken)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import diskcache
 import pysequoia
 import pytest
 from aiohttp.test_utils import TestClient
@@ -687,3 +688,45 @@ def test_presigned_upstream_urls_are_neither_stored_nor_exported(
     members, manifest = read_bundle(output)
     assert manifest["providers"], manifest
     assert all(b"?token=" not in data for data in members.values())
+
+
+@pytest.mark.parametrize("damaged", ["module archive", "module archive without a record",
+                                     "provider package"])
+def test_export_refuses_to_sign_a_file_damaged_on_disk_and_names_it(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
+        damaged: str) -> None:
+    """Each stored file is checked against the sha256 it was stored with (a module archive
+    stored without one: against its gzip checksum) before the manifest vouches for it."""
+    listing = _write(tmp_path / "wanted.txt", "hashicorp/null 3.2.1\nacme/tarball/aws 1.0.0\n")
+    config = write_config(cache_dir=tmp_path / "connected")
+    warmed = cli("warm", "--config", str(config), "--platform", "linux_amd64", str(listing),
+                 cwd=tmp_path)
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    cache = tmp_path / "connected"
+    if damaged == "provider package":
+        stored = next(cache.rglob("terraform-provider-null_3.2.1_linux_amd64.zip"))
+        named = "registry.terraform.io/hashicorp/null 3.2.1 linux_amd64"
+    else:
+        stored = cache / "modules/registry.terraform.io/acme/tarball/aws/1.0.0.tar.gz"
+        named = "module registry.terraform.io/acme/tarball/aws 1.0.0"
+    if damaged == "module archive without a record":  # stored by an older version
+        index = diskcache.Cache(str(cache / "index"))
+        index.delete("module-archive/registry.terraform.io/acme/tarball/aws/1.0.0")
+        index.close()
+    size = stored.stat().st_size
+    with open(stored, "r+b") as handle:  # bit rot: same size, other bytes
+        handle.seek(size // 2)
+        handle.write(bytes(b ^ 0xFF for b in handle.read(8)))
+
+    output = tmp_path / "bundle.tar"
+    exported = cli("export", "--config", str(config), "--output", str(output), "--unsigned",
+                   cwd=tmp_path)
+    assert exported.returncode == 2
+    assert "Traceback" not in exported.stderr
+    assert len(exported.stderr.strip().splitlines()) == 1, exported.stderr
+    assert named in exported.stderr and str(stored) in exported.stderr
+    assert "damaged" in exported.stderr
+    # Checked against the sha256 recorded with it; without one, read through as a .tar.gz.
+    assert ("not an intact .tar.gz" in exported.stderr) \
+        == (damaged == "module archive without a record")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("bundle")) == []

@@ -11,16 +11,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import aiofiles.threadpool
 import pytest
 
+import proxy.stored_hashes
 from proxy.archives import ArchiveStore, FillLock, GrowingFile
 from proxy.cache_usage import UsageLedger
 from proxy.errors import IntegrityError
+from proxy.file_identity import identity_of
 from proxy.hashes import h1_of_zip
-from proxy.stored_hashes import DamagedFile, h1_of_stored
+from proxy.stored_hashes import DamagedFile, h1_of_stored, verify_stored
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
@@ -110,6 +112,30 @@ async def test_eviction_is_lru_and_spares_files_in_use(tmp_path: Path) -> None:
         assert await store.evict() == 1
     assert [p.exists() for p in paths] == [False, True, False]
     assert store.measure() == 1000
+
+
+async def test_a_use_moves_a_file_up_the_lru_and_leaves_its_mtime_alone(
+        tmp_path: Path) -> None:
+    """The access time is the LRU clock; the mtime keeps saying when the bytes were written
+    (a hit compares it with the one recorded when the file was verified)."""
+    store = ArchiveStore(tmp_path, max_size=3500)
+    paths = []
+    for index in range(3):
+        temp = store.temp_file()
+        temp.write_bytes(b"x" * 1000)
+        paths.append(await store.publish(temp, ["archives", "h", "n", "t", "1.0.0",
+                                                f"f{index}.zip"]))
+        os.utime(paths[-1], (1000 + index, 1000 + index))  # f0 the least recently used
+    store._touched.clear()  # as if the last use were long ago
+    store.touch(paths[0])
+    for _ in range(500):
+        if paths[0].stat().st_atime > 1000:
+            break
+        await asyncio.sleep(0.01)
+    assert paths[0].stat().st_mtime == 1000
+    store.max_size = 2500
+    assert await store.evict() == 1
+    assert [p.exists() for p in paths] == [True, False, True]  # f1 is now the oldest
 
 
 async def test_size_limit_counts_what_every_store_on_the_directory_wrote(
@@ -256,10 +282,37 @@ async def test_h1_of_stored_hashes_only_the_signed_bytes(tmp_path: Path) -> None
         await h1_of_stored(stored.path, signed)
     assert damage.value.kind == "stored" and signed in damage.value.message
     info = stored.path.stat()
-    assert damage.value.identity == (info.st_dev, info.st_ino)
+    assert damage.value.identity == identity_of(info)
 
     stored.path.unlink()  # evicted meanwhile: nothing to hash, nothing to drop
     assert await h1_of_stored(stored.path, signed) is None
+
+
+async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ArchiveStore(tmp_path)
+    signed = hashlib.sha256(ZIP).hexdigest()
+    stored = await store.store(PARTS, chunks(ZIP), signed)
+    assert stored.identity == identity_of(stored.path.stat())  # publishing kept it
+    assert await verify_stored(stored.path, signed) == stored.identity
+
+    # Written to while it was read: what was hashed may not be what is there now.
+    real = proxy.stored_hashes.sha256_of_file
+
+    def hash_then_write(handle: BinaryIO) -> str:
+        digest = real(handle)
+        with open(stored.path, "ab") as writer:
+            writer.write(b"x")
+        return digest
+
+    monkeypatch.setattr(proxy.stored_hashes, "sha256_of_file", hash_then_write)
+    with pytest.raises(DamagedFile, match="changed while it was checked"):
+        await verify_stored(stored.path, signed)
+    monkeypatch.undo()
+    with pytest.raises(DamagedFile, match=f"not the checksum {signed}"):
+        await verify_stored(stored.path, signed)
+    stored.path.unlink()
+    assert await verify_stored(stored.path, signed) is None
 
 
 async def test_signed_zip_that_cannot_be_hashed_is_kept_without_h1(tmp_path: Path) -> None:
@@ -275,15 +328,14 @@ async def test_signed_zip_that_cannot_be_hashed_is_kept_without_h1(tmp_path: Pat
 async def test_discard_spares_a_file_that_replaced_the_damaged_one(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
     first = await store.store(PARTS, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
-    info = first.path.stat()
-    read = (info.st_dev, info.st_ino)
+    read = identity_of(first.path.stat())
     fresh = store.temp_file()
     fresh.write_bytes(ZIP)
     await store.publish(fresh, PARTS)  # a fill replaced it after it was read
     assert not await store.discard(first.path, read)
     assert first.path.exists() and store.used_bytes == len(ZIP)
     now = first.path.stat()
-    assert await store.discard(first.path, (now.st_dev, now.st_ino))
+    assert await store.discard(first.path, identity_of(now))
     assert not first.path.exists()
     assert (store.used_bytes, store.file_count) == (0, 0)
 

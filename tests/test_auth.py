@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -9,11 +10,13 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.auth import load_signing_key
 from proxy.config import ConfigError, load_config
+from proxy.state import StatePaths
 from proxy.url_signing import UrlSigner
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP
@@ -122,3 +125,19 @@ def test_a_truncated_signing_key_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"")
     with pytest.raises(ValueError, match="holds 0 bytes"):
         load_signing_key(path)
+
+
+async def test_an_unusable_signing_key_stops_the_start_with_nothing_left_open(
+        write_config: Callable[..., Path]) -> None:
+    """The key is checked before the cache or the upstream session is opened, and whatever a
+    failed start opened is closed again."""
+    config = load_config(write_config(extra=f'[auth]\ntokens = ["{TOKEN}"]\n'), environ={})
+    key = StatePaths(config.server.state_dir).signing_key
+    key.parent.mkdir(parents=True)
+    key.write_bytes(b"torn")
+    runner = web.AppRunner(create_app(config))
+    with pytest.raises(ValueError, match=re.escape(str(key))):
+        await runner.setup()
+    await runner.app.cleanup()
+    assert list((config.cache.dir / "tmp").glob("p*")) == []  # no store left open
+    assert key.read_bytes() == b"torn"

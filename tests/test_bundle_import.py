@@ -317,6 +317,29 @@ def test_running_proxies_count_what_an_import_added(tmp_path: Path,
     assert (usage.bytes, usage.files) == (sum(p.stat().st_size for p in stored), len(stored))
 
 
+def test_imported_module_archives_are_checked_against_the_bundle_sha256(
+        tmp_path: Path, exported: Exported) -> None:
+    """An imported module archive is recorded with the sha256 the signed manifest gave it,
+    as a fetched one is: exporting it again after it rotted on disk is refused on that
+    ground, not merely on its gzip checksum."""
+    rc, _out, err = import_signed(tmp_path, exported, exported.partial)
+    assert rc == 0, err
+    _members, manifest = read_bundle(exported.partial)
+    archive = module(manifest, "tarball")["archive"]
+    records = index_records(tmp_path / "inside")
+    assert records["module-archive/registry.terraform.io/acme/tarball/aws/1.0.0"]["sha256"] \
+        == manifest["files"][archive]["sha256"]
+    stored = tmp_path / "inside/modules/registry.terraform.io/acme/tarball/aws/1.0.0.tar.gz"
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # bit rot: the same size, another byte
+    stored.write_bytes(bytes(data))
+    result = cli("export", "--config", str(offline_config(tmp_path, "inside")), "--output",
+                 str(tmp_path / "again.tar"), "--unsigned", cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"{stored} does not match the sha256 it was stored with" in result.stderr, \
+        result.stderr
+
+
 # --- what the bundle file is ------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["gzip", "xz"])

@@ -1,24 +1,31 @@
-"""Offline mode, eviction, and an index that disagrees with the files on disk."""
+"""Offline mode, eviction, an index that disagrees with the files on disk, and stored files
+damaged after they were verified."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
+import os
 import random
 import shutil
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+import proxy.archives
+import proxy.provider_mirror
+import proxy.stored_hashes
 from proxy.archives import ArchiveStore
 from proxy.cache import MetadataCache
 from proxy.config import load_config
 from proxy.module_registry import ModuleRegistry
 from proxy.provider_mirror import ProviderMirror
+from proxy.verified_packages import VerifiedPackages
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
@@ -116,6 +123,29 @@ async def test_file_evicted_right_after_it_was_found_is_fetched_again(
     assert await response.read() == whole
     assert evicted and evicted[0].read_bytes() == whole
     assert [p for p in registry.paths() if p.endswith(upstream)] != []
+
+
+async def test_a_zip_gone_while_its_fill_is_still_finishing_is_fetched_again(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill's h1 pass follows the download: a request that finds the file gone meanwhile
+    (evicted, dropped as damaged) gets a new fill, not the finished one's vanished file."""
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    real_h1 = proxy.provider_mirror.h1_of_stored
+
+    async def slow_h1(*args: Any) -> str | None:
+        await asyncio.sleep(0.5)
+        return await real_h1(*args)
+
+    monkeypatch.setattr(proxy.provider_mirror, "h1_of_stored", slow_h1)
+    client = await make()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    next(cache.rglob(ZIP)).unlink()  # by another process, while the h1 pass runs
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert await response.read() == good
+    assert len(registry.archive_requests()) == 2
 
 
 @pytest.mark.parametrize("damage", ["lose the index", "truncate the file"])
@@ -319,5 +349,278 @@ async def test_zip_damaged_on_disk_right_after_publishing_gets_no_h1_and_is_fetc
     assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
     assert len(registry.archive_requests()) == 2
     await eventually(lambda: _recorded_h1_is(cache, zip_h1(good)), "the right h1")
+    metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
+
+
+# --- stored files written over after they were verified ----------------------------------
+# A hit compares the file's identity (device, inode, size, mtime) with the one recorded when
+# its bytes last matched: a file written to since is read again before anyone gets it.
+
+async def write_over(stored: Path, data: bytes) -> None:
+    """Damage as a later write does it: the same inode, other bytes. (Real damage comes long
+    after the file was stored; the pause puts this write past the timestamps' granularity.)"""
+    await asyncio.sleep(0.05)
+    _write_in_place(stored, data)
+
+
+def _write_in_place(path: Path, data: bytes) -> None:
+    with open(path, "r+b") as handle:
+        handle.write(data)
+        handle.truncate()
+
+
+def count_full_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The stored files read through to check their bytes, from now on."""
+    reads: list[str] = []
+    real = proxy.stored_hashes.sha256_of_file
+
+    def counted(handle: BinaryIO) -> str:
+        reads.append(handle.name)
+        return real(handle)
+
+    monkeypatch.setattr(proxy.stored_hashes, "sha256_of_file", counted)
+    return reads
+
+
+@pytest.mark.parametrize("damage", ["garbage", "another zip"])
+async def test_a_stored_zip_written_over_after_it_was_verified_is_never_served(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        damage: str) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    good = release.zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)  # h1s recorded
+    stored = next(cache.rglob(ZIP))
+    await write_over(stored, random.Random(7).randbytes(len(good)) if damage == "garbage"
+                     else renamed_member(good))
+
+    registry.requests.clear()
+    for attempt in range(2):  # fresh processes, as after a restart
+        client = await make()
+        # Requests that arrive together share one check, one drop, one count, one fetch.
+        responses = await asyncio.gather(*(client.get(f"{BASE}/{ZIP}") for _ in range(3)))
+        assert [r.status for r in responses] == [200] * 3
+        assert [await r.read() for r in responses] == [good] * 3, attempt
+        if attempt == 0:
+            metrics = await (await client.get("/metrics")).text()
+            assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
+        await client.close()
+    assert len(registry.archive_requests()) == 1  # dropped, fetched again once, kept
+    assert stored.read_bytes() == good
+    # The other platforms kept serving from the cache; the document lists every hash.
+    client = await make()
+    for platform in ("darwin_arm64", "windows_amd64"):
+        response = await client.get(f"{BASE}/{zip_name(platform)}")
+        assert await response.read() == release.zips[platform]
+    assert len(registry.archive_requests()) == 1
+    document = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    for platform in PLATFORMS:
+        assert document["archives"][platform]["hashes"] == expected_hashes(registry, platform)
+    assert (await package_record(cache))["h1"] == zip_h1(good)
+
+
+async def test_a_stored_zip_written_over_is_never_served_offline(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path]) -> None:
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    stored = next(cache.rglob(ZIP))
+    damaged = random.Random(7).randbytes(len(good))
+    await write_over(stored, damaged)
+
+    registry.requests.clear()
+    offline = await make(upstream_mode="offline")
+    response = await offline.get(f"{BASE}/{ZIP}")
+    assert response.status == 404
+    assert "damaged" in (await response.json())["errors"][0]
+    assert not stored.exists()
+    document = await (await offline.get(f"{BASE}/3.2.1.json")).json()
+    assert sorted(document["archives"]) == ["darwin_arm64", "windows_amd64"]
+    for platform in document["archives"]:
+        assert document["archives"][platform]["hashes"] == expected_hashes(registry,
+                                                                           platform)
+    assert registry.requests == []
+
+
+async def test_a_stored_zip_whose_metadata_changed_but_not_its_bytes_is_read_once_and_kept(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """E.g. restored from a backup, or its mtime set by a tool: checked, not fetched again;
+    requests that arrive together share one read."""
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    stored = next(cache.rglob(ZIP))
+    os.utime(stored, ns=(stored.stat().st_atime_ns, stored.stat().st_mtime_ns + 10**9))
+    reads = count_full_reads(monkeypatch)
+
+    registry.requests.clear()
+    client = await make()
+    responses = await asyncio.gather(*(client.get(f"{BASE}/{ZIP}") for _ in range(5)))
+    assert [await r.read() for r in responses] == [good] * 5
+    assert reads == [str(stored)]
+    assert (await package_record(cache))["stored_as"][3] == stored.stat().st_mtime_ns
+    await client.close()
+    again = await make()  # another process trusts what the first one recorded
+    assert await (await again.get(f"{BASE}/{ZIP}")).read() == good
+    assert reads == [str(stored)]
+    assert registry.archive_requests() == []
+
+
+async def test_hits_on_an_unchanged_stored_zip_never_read_it_and_uses_keep_its_mtime(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hit stays a stat and sendfile. A use moves the file's access time (the LRU clock),
+    never its mtime, which would make every other process read it again."""
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    stored = next(cache.rglob(ZIP))
+    os.utime(stored, ns=(10**9, stored.stat().st_mtime_ns))  # long unused
+    mtime = stored.stat().st_mtime_ns
+    monkeypatch.setattr(proxy.archives, "_TOUCH_INTERVAL", 0.0)  # every hit is a use
+    reads = count_full_reads(monkeypatch)
+    for _process in range(3):
+        client = await make()
+        for _hit in range(2):
+            assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+        await client.close()
+    await eventually(lambda: _used_since(stored, 10**9), "the use to be recorded")
+    assert stored.stat().st_mtime_ns == mtime
+    assert reads == []
+
+
+async def _used_since(path: Path, atime_ns: int) -> bool:
+    return path.stat().st_atime_ns > atime_ns
+
+
+async def test_a_record_kept_before_file_identities_costs_one_read(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    await fill_every_platform(make, registry, cache)
+    record = await package_record(cache)
+    index = MetadataCache(cache / "index")
+    try:
+        await index.set(LINUX_KEY, {k: v for k, v in record.items() if k != "stored_as"})
+    finally:
+        index.close()
+    reads = count_full_reads(monkeypatch)
+    for _process in range(2):
+        client = await make()
+        assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+        await client.close()
+    assert len(reads) == 1
+    assert (await package_record(cache))["stored_as"] == record["stored_as"]
+
+
+async def test_a_client_that_got_the_whole_zip_finds_it_recorded_as_stored(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record that vouches for a fresh download (its size and identity) is saved before
+    the followers get its last byte: a `warm` that stops the proxy as soon as it has the file
+    leaves it served from the cache and exportable, not fetched again."""
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    real_save = VerifiedPackages.save
+
+    async def slow_save(self: VerifiedPackages, *args: Any) -> None:
+        await asyncio.sleep(0.2)  # a busy index
+        await real_save(self, *args)
+
+    monkeypatch.setattr(VerifiedPackages, "save", slow_save)
+    client = await make()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    await client.close()  # at once: what is left of the fill is cancelled
+    record = await package_record(cache)
+    stored = next(cache.rglob(ZIP))
+    assert record["size"] == len(good)
+    assert record["stored_as"][2:] == [len(good), stored.stat().st_mtime_ns]
+
+
+# --- module archives ---------------------------------------------------------------------
+
+MODULE_ARCHIVE = f"{MODULE}/1.0.0/tarball-aws-1.0.0.tar.gz"
+MODULE_SOURCE = "/archives/tarball-1.0.0.tgz"
+MODULE_KEY = "module-archive/registry.terraform.io/acme/tarball/aws/1.0.0"
+
+
+async def fill_module(make: Make, cache: Path) -> tuple[bytes, Path]:
+    """The module archive as first served, and where it is stored."""
+    client = await make()
+    response = await client.get(MODULE_ARCHIVE)
+    assert response.status == 200, await response.text()
+    served = await response.read()
+    await client.close()
+    return served, cache / "modules/registry.terraform.io/acme/tarball/aws/1.0.0.tar.gz"
+
+
+async def module_record(cache: Path) -> dict[str, Any] | None:
+    index = MetadataCache(cache / "index")
+    try:
+        return await index.get(MODULE_KEY)
+    finally:
+        index.close()
+
+
+async def test_a_module_archive_written_over_is_built_again_online_and_never_served_offline(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path]) -> None:
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    original, stored = await fill_module(make, cache)
+    record = await module_record(cache)
+    assert record is not None
+    assert (record["sha256"], record["size"]) == (hashlib.sha256(original).hexdigest(),
+                                                  len(original))
+    await write_over(stored, random.Random(7).randbytes(len(original)))
+
+    registry.requests.clear()
+    online = await make()
+    responses = await asyncio.gather(*(online.get(MODULE_ARCHIVE) for _ in range(3)))
+    assert [await r.read() for r in responses] == [original] * 3  # packed again, once
+    assert registry.paths().count(MODULE_SOURCE) == 1
+    metrics = await (await online.get("/metrics")).text()
+    assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
+    assert stored.read_bytes() == original
+    await online.close()
+
+    await write_over(stored, random.Random(8).randbytes(len(original)))
+    registry.requests.clear()
+    offline = await make(upstream_mode="offline")
+    response = await offline.get(MODULE_ARCHIVE)
+    assert response.status == 404
+    assert "damaged" in (await response.json())["errors"][0]
+    assert not stored.exists()
+    assert registry.requests == []
+
+
+async def test_a_module_archive_stored_without_a_recorded_sha256_is_adopted_only_if_intact(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path]) -> None:
+    """As stored by an older version, or imported from a bundle."""
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    original, stored = await fill_module(make, cache)
+
+    async def forget_record() -> None:
+        index = MetadataCache(cache / "index")
+        try:
+            await index.delete(MODULE_KEY)
+        finally:
+            index.close()
+
+    await forget_record()
+    registry.requests.clear()
+    client = await make()
+    assert await (await client.get(MODULE_ARCHIVE)).read() == original
+    assert registry.requests == []  # intact: served from the cache, and its sha256 recorded
+    record = await module_record(cache)
+    assert record is not None and record["sha256"] == hashlib.sha256(original).hexdigest()
+    await client.close()
+
+    await forget_record()
+    await write_over(stored, original[:len(original) // 2])  # a torn copy
+    client = await make()
+    assert await (await client.get(MODULE_ARCHIVE)).read() == original
+    assert registry.paths().count(MODULE_SOURCE) == 1
     metrics = await (await client.get("/metrics")).text()
     assert metric(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1

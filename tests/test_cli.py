@@ -259,6 +259,30 @@ def test_serve_reports_an_unusable_certificate(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_with_a_damaged_url_signing_key_says_which_file_and_exits_2(
+        tmp_path: Path, workers: int) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    key = state / "url-signing.key"
+    key.write_bytes(b"torn")
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'[auth]\ntokens = ["abcdefghijklmnopqrstuvwxyz"]\n'
+                           f'[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+                           f'state_dir = "{state}"\nworkers = {workers}\n'
+                           f'[cache]\ndir = "{tmp_path}/c"\n')
+    result = run_cli("serve", "--config", str(config_file))
+    assert result.returncode == 2
+    ours = [line for line in result.stderr.splitlines()
+            if line.startswith("tf-registry-proxy:")]
+    assert len(ours) == 1, result.stderr
+    assert str(key) in ours[0] and "delete it" in ours[0]
+    assert "Traceback" not in result.stderr
+    assert "Unclosed" not in result.stderr  # nothing opened before it was left open
+    assert "ERROR" not in result.stderr
+    assert key.read_bytes() == b"torn"  # never replaced behind the operator's back
+
+
 def test_healthcheck(tmp_path: Path) -> None:
     port = free_port()
     env = {"XDG_CACHE_HOME": str(tmp_path), "TF_REGISTRY_PROXY_SERVER_LISTEN": f"[::]:{port}"}
