@@ -8,14 +8,29 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.archives import ArchiveStore
-from proxy.auth import SIGNER_KEY, auth_middleware, load_signing_key
-from proxy.cache import MetadataCache
 from proxy.config import Config
-from proxy.disk_space import DiskSpace
-from proxy.executors import quick, serving, slow
-from proxy.filters import Filters
-from proxy.handlers import (
+from proxy.config.filters import Filters
+from proxy.core.executors import quick, serving, slow
+from proxy.core.metrics import Metrics
+from proxy.protocols.module_registry import ModuleRegistry
+from proxy.protocols.network_mirror import ProviderMirror
+from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.store.archives import ArchiveStore
+from proxy.store.disk_space import DiskSpace
+from proxy.store.index import MetadataCache
+from proxy.tls.state import StatePaths
+from proxy.upstream.discovery import Discovery
+from proxy.upstream.egress import EgressPolicy
+from proxy.upstream.egress_gate import EgressGate
+from proxy.upstream.git import combined_ca_bundle
+from proxy.upstream.http import UpstreamHTTP, close_session, make_session
+from proxy.upstream.module_registry import ModuleRegistryClient
+from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.verification.packages import VerifiedPackages
+from proxy.web.auth import SIGNER_KEY, auth_middleware, load_signing_key
+from proxy.web.middleware import SERVER_NAME, error_middleware, json_error_bodies
+from proxy.web.responses import remember_prepared
+from proxy.web.routes import (
     ARCHIVES_KEY,
     CONFIG_KEY,
     METRICS_KEY,
@@ -24,22 +39,7 @@ from proxy.handlers import (
     REGISTRY_KEY,
     add_routes,
 )
-from proxy.metrics import Metrics
-from proxy.middleware import SERVER_NAME, error_middleware, json_error_bodies
-from proxy.module_registry import ModuleRegistry
-from proxy.provider_mirror import ProviderMirror
-from proxy.provider_registry_service import ProviderRegistryService
-from proxy.responses import remember_prepared
-from proxy.state import StatePaths
-from proxy.upstream.discovery import Discovery
-from proxy.upstream.egress import EgressPolicy
-from proxy.upstream.egress_gate import EgressGate
-from proxy.upstream.git import combined_ca_bundle
-from proxy.upstream.http import UpstreamHTTP, close_session, make_session
-from proxy.upstream.module_registry import ModuleRegistryClient
-from proxy.upstream.provider_registry import ProviderRegistryClient
-from proxy.url_signing import UrlSigner
-from proxy.verified_packages import VerifiedPackages
+from proxy.web.url_signing import UrlSigner
 
 log = logging.getLogger(__name__)
 

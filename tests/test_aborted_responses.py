@@ -23,8 +23,8 @@ import trustme
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
-from proxy.archives import ArchiveStore
 from proxy.config import Config, load_config
+from proxy.store.archives import ArchiveStore
 from tests.support.fake_registry import FakeRegistry
 from tests.support.raw_http import RawAnswer, Served, raw_get, sample, served
 

@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import load_config
-from proxy.hashes import h1_of_zip
+from proxy.verification.hashes import h1_of_zip
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.gpg import GpgKey, generate_key, stop_agent
 from tests.support.proxy_process import ProxyProcess, free_port

@@ -16,13 +16,13 @@ from typing import Any, BinaryIO
 import aiofiles.threadpool
 import pytest
 
-import proxy.stored_hashes
-from proxy.archives import ArchiveStore, FillLock, GrowingFile
-from proxy.cache_usage import UsageLedger
-from proxy.errors import IntegrityError
-from proxy.file_identity import identity_of
-from proxy.hashes import h1_of_zip
-from proxy.stored_hashes import DamagedFile, h1_of_stored, verify_stored
+import proxy.verification.stored_hashes
+from proxy.core.errors import IntegrityError
+from proxy.store.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.store.file_identity import identity_of
+from proxy.store.usage import UsageLedger
+from proxy.verification.hashes import h1_of_zip
+from proxy.verification.stored_hashes import DamagedFile, h1_of_stored, verify_stored
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
@@ -297,7 +297,7 @@ async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(
     assert await verify_stored(stored.path, signed) == stored.identity
 
     # Written to while it was read: what was hashed may not be what is there now.
-    real = proxy.stored_hashes.sha256_of_file
+    real = proxy.verification.stored_hashes.sha256_of_file
 
     def hash_then_write(handle: BinaryIO) -> str:
         digest = real(handle)
@@ -305,7 +305,7 @@ async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(
             writer.write(b"x")
         return digest
 
-    monkeypatch.setattr(proxy.stored_hashes, "sha256_of_file", hash_then_write)
+    monkeypatch.setattr(proxy.verification.stored_hashes, "sha256_of_file", hash_then_write)
     with pytest.raises(DamagedFile, match="changed while it was checked"):
         await verify_stored(stored.path, signed)
     monkeypatch.undo()

@@ -14,10 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
-from proxy.auth import load_signing_key
 from proxy.config import ConfigError, load_config
-from proxy.state import StatePaths
-from proxy.url_signing import UrlSigner
+from proxy.tls.state import StatePaths
+from proxy.web.auth import load_signing_key
+from proxy.web.url_signing import UrlSigner
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP
 

@@ -23,14 +23,14 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy import bundle_manifest
+from proxy.airgap import manifest as bundle_manifest
+from proxy.airgap.bundle import import_bundle
+from proxy.airgap.manifest import BundleError
 from proxy.app import create_app
-from proxy.archives import ArchiveStore
-from proxy.bundle import import_bundle
-from proxy.bundle_manifest import BundleError
-from proxy.cache_usage import UsageLedger
 from proxy.config import load_config
-from proxy.hashes import h1_of_zip
+from proxy.store.archives import ArchiveStore
+from proxy.store.usage import UsageLedger
+from proxy.verification.hashes import h1_of_zip
 from tests.support.bundles import (
     cache_state,
     changes_since,

@@ -17,15 +17,15 @@ from typing import Any, BinaryIO
 import pytest
 from aiohttp.test_utils import TestClient
 
-import proxy.archives
-import proxy.provider_mirror
-import proxy.stored_hashes
-from proxy.archives import ArchiveStore
-from proxy.cache import MetadataCache
+import proxy.protocols.network_mirror
+import proxy.store.archives
+import proxy.verification.stored_hashes
 from proxy.config import load_config
-from proxy.module_registry import ModuleRegistry
-from proxy.provider_mirror import ProviderMirror
-from proxy.verified_packages import VerifiedPackages
+from proxy.protocols.module_registry import ModuleRegistry
+from proxy.protocols.network_mirror import ProviderMirror
+from proxy.store.archives import ArchiveStore
+from proxy.store.index import MetadataCache
+from proxy.verification.packages import VerifiedPackages
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
@@ -132,13 +132,13 @@ async def test_a_zip_gone_while_its_fill_is_still_finishing_is_fetched_again(
     (evicted, dropped as damaged) gets a new fill, not the finished one's vanished file."""
     good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
     cache = Path(load_config(write_config(), environ={}).cache.dir)
-    real_h1 = proxy.provider_mirror.h1_of_stored
+    real_h1 = proxy.protocols.network_mirror.h1_of_stored
 
     async def slow_h1(*args: Any) -> str | None:
         await asyncio.sleep(0.5)
         return await real_h1(*args)
 
-    monkeypatch.setattr(proxy.provider_mirror, "h1_of_stored", slow_h1)
+    monkeypatch.setattr(proxy.protocols.network_mirror, "h1_of_stored", slow_h1)
     client = await make()
     assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
     next(cache.rglob(ZIP)).unlink()  # by another process, while the h1 pass runs
@@ -373,13 +373,13 @@ def _write_in_place(path: Path, data: bytes) -> None:
 def count_full_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The stored files read through to check their bytes, from now on."""
     reads: list[str] = []
-    real = proxy.stored_hashes.sha256_of_file
+    real = proxy.verification.stored_hashes.sha256_of_file
 
     def counted(handle: BinaryIO) -> str:
         reads.append(handle.name)
         return real(handle)
 
-    monkeypatch.setattr(proxy.stored_hashes, "sha256_of_file", counted)
+    monkeypatch.setattr(proxy.verification.stored_hashes, "sha256_of_file", counted)
     return reads
 
 
@@ -479,7 +479,7 @@ async def test_hits_on_an_unchanged_stored_zip_never_read_it_and_uses_keep_its_m
     stored = next(cache.rglob(ZIP))
     os.utime(stored, ns=(10**9, stored.stat().st_mtime_ns))  # long unused
     mtime = stored.stat().st_mtime_ns
-    monkeypatch.setattr(proxy.archives, "_TOUCH_INTERVAL", 0.0)  # every hit is a use
+    monkeypatch.setattr(proxy.store.archives, "_TOUCH_INTERVAL", 0.0)  # every hit is a use
     reads = count_full_reads(monkeypatch)
     for _process in range(3):
         client = await make()

@@ -18,9 +18,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-from proxy.client_config import render_client_config
+from proxy.cli.client_config import render_client_config
 from proxy.config import load_config
-from proxy.tls import TlsStateError, ensure_certificate
+from proxy.tls.certificates import TlsStateError, ensure_certificate
 from tests.support.proxy_process import free_port
 
 

@@ -17,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.config import ConfigError, load_config
-from proxy.errors import UpstreamError
+from proxy.core.errors import UpstreamError
 from proxy.upstream.egress import EgressPolicy, GuardedResolver
 from proxy.upstream.egress_gate import EgressGate
 from tests.support.connect_proxy import ConnectProxy, use_https_proxy

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from proxy.executors import quick, serving, slow
+from proxy.core.executors import quick, serving, slow
 from tests.support.held_work import HeldCalls
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")

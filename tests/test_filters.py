@@ -9,8 +9,8 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import FiltersConfig, load_config
-from proxy.filters import Filters
-from proxy.models import ModuleAddress, Platform, ProviderAddress
+from proxy.config.filters import Filters
+from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE
 

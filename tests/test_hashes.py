@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from proxy.hashes import h1_from_entries, h1_of_zip, zh_hash
+from proxy.verification.hashes import h1_from_entries, h1_of_zip, zh_hash
 from tests.support.fake_registry import build_zip
 
 # Computed independently with coreutils:

@@ -19,10 +19,10 @@ import trustme
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-import proxy.stored_hashes
+import proxy.verification.stored_hashes
 from proxy.app import create_app
 from proxy.config import load_config
-from proxy.hashes import h1_of_zip
+from proxy.verification.hashes import h1_of_zip
 from tests.support.fake_registry import FakeRegistry
 from tests.support.held_work import HeldCalls
 from tests.support.raw_http import served
@@ -85,7 +85,7 @@ async def test_cached_answers_do_not_wait_for_package_hashing(
     try:
         for path in hits:  # cached: from here on they are hits
             assert (await client.get(path)).status == 200, path
-        monkeypatch.setattr(proxy.stored_hashes, "h1_of_zip", held)
+        monkeypatch.setattr(proxy.verification.stored_hashes, "h1_of_zip", held)
         downloads = [asyncio.ensure_future(download(
             f"{MIRROR}/busy/{busy.filename(platform)}")) for platform in busy.platforms]
         # Every thread that runs h1 is taken (and stays so until released).

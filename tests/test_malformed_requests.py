@@ -31,8 +31,8 @@ from aiohttp.typedefs import Handler
 import proxy
 from proxy.app import create_app
 from proxy.config import Config
-from proxy.log_limits import RateLimitedLog
-from proxy.parser_errors import MAX_TEXT, REASONS, describe
+from proxy.core.log_limits import RateLimitedLog
+from proxy.web.parser_errors import MAX_TEXT, REASONS, describe
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.raw_http import RawAnswer, raw_request, sample, served
 

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
-from proxy.hashes import h1_from_entries
+from proxy.verification.hashes import h1_from_entries
 from tests.support.fake_registry import FakeRegistry
 
 BASE = "/mirror/registry.terraform.io/hashicorp/null"

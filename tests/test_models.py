@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import BadRequest
-from proxy.models import (
+from proxy.core.errors import BadRequest
+from proxy.core.models import (
     Platform,
     ProviderAddress,
     is_valid_version,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.errors import UpstreamError
-from proxy.module_packing import UnsafeArchive, pack, select_subdir, unpack
+from proxy.core.errors import UpstreamError
+from proxy.modules.packing import UnsafeArchive, pack, select_subdir, unpack
 from tests.conftest import tar_gz
 from tests.support.fake_registry import build_zip
 

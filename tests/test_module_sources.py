@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import ProxyError, UpstreamError
-from proxy.module_sources import (
+from proxy.core.errors import ProxyError, UpstreamError
+from proxy.modules.sources import (
     ModuleSource,
     UnsupportedSource,
     parse_source,

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
-from proxy.errors import UpstreamError
+from proxy.core.errors import UpstreamError
 from proxy.upstream import git
 from proxy.upstream.egress import EgressPolicy
 from proxy.upstream.egress_gate import EgressGate

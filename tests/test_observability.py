@@ -11,13 +11,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, make_mocked_request
 
-from proxy.access_log import (
+from proxy.config import Config
+from proxy.web.access_log import (
     CACHE_RESULT_KEY,
     JsonAccessLogger,
     PlainAccessLogger,
     mask_secrets,
 )
-from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric
 

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import proxy
-from proxy.errors import ProxyError
-from proxy.module_sources import parse_source
-from proxy.redaction import SecretMaskingFilter, excerpt, install_log_masking, mask_secrets
+from proxy.core.errors import ProxyError
+from proxy.core.redaction import SecretMaskingFilter, excerpt, install_log_masking, mask_secrets
+from proxy.modules.sources import parse_source
 
 # Secrets are drawn as MARK_IN + random + MARK_OUT; nothing else in the generated text is
 # spelled like them, so either mark in an output means (part of) a secret got through.

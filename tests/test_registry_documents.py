@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import ProxyError, UpstreamError
-from proxy.models import Platform
-from proxy.registry_documents import parse_download, parse_sha256sums, parse_versions
+from proxy.core.errors import ProxyError, UpstreamError
+from proxy.core.models import Platform
 from proxy.upstream.discovery import parse_discovery
+from proxy.upstream.documents import parse_download, parse_sha256sums, parse_versions
 
 LINUX = Platform("linux", "amd64")
 FINAL = "https://registry.example/v1/providers/hashicorp/null/1.0.0/download/linux/amd64"

@@ -21,9 +21,9 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 import proxy
+from proxy.airgap.sources import read_sources
+from proxy.airgap.warm import summary, warm_cache
 from proxy.config import Config
-from proxy.warm import summary, warm_cache
-from proxy.warm_sources import read_sources
 from tests.support.fake_registry import FakeRegistry
 from tests.support.git_repos import publish_repo
 from tests.support.proxy_process import ProxyProcess, free_port

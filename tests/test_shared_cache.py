@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from proxy.archives import ArchiveStore
+from proxy.store.archives import ArchiveStore
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.raw_http import PausedDownload, sample

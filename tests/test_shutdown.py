@@ -21,9 +21,9 @@ import trustme
 from aiohttp import web
 
 from proxy.config import ServerConfig
-from proxy.metrics import Metrics
-from proxy.shutdown import CUT_TIMEOUT, stop_serving
-from proxy.tls_server import HandshakeFailures, TlsSite, open_connections
+from proxy.core.metrics import Metrics
+from proxy.web.shutdown import CUT_TIMEOUT, stop_serving
+from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.errors import IntegrityError
-from proxy.signatures import verify_detached
+from proxy.core.errors import IntegrityError
+from proxy.verification.signatures import verify_detached
 from tests.support.gpg import GpgKey, generate_key, stop_agent
 
 DATA = b"0123  terraform-provider-x_1.0.0_linux_amd64.zip\n"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.singleflight import SingleFlight
+from proxy.core.singleflight import SingleFlight
 
 
 async def test_concurrent_callers_share_one_run() -> None:

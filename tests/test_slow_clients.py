@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from proxy.config import ConfigError, ServerConfig, load_config
-from proxy.connections import raise_descriptor_limit
-from proxy.metrics import Metrics
-from proxy.tls_server import ConnectionReports
+from proxy.core.metrics import Metrics
+from proxy.web.connections import raise_descriptor_limit
+from proxy.web.tls_server import ConnectionReports
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.raw_http import sample
@@ -115,7 +115,7 @@ def test_stalled_connections_are_cut(start_proxy: Callable[[dict[str, str]], Pro
     lines = [line for line in proxy.log.read_text().splitlines() if "closed the connection"
              in line]
     assert len(lines) == 1, lines  # the rest counted, not logged: cut within seconds
-    assert " INFO proxy.tls_server: closed the connection from 127.0.0.1:" in lines[0]
+    assert " INFO proxy.web.tls_server: closed the connection from 127.0.0.1:" in lines[0]
     assert "Traceback" not in proxy.log.read_text()
 
 
@@ -162,7 +162,7 @@ def test_cut_connections_are_logged_at_most_once_per_interval(
     metrics = Metrics()
     now = [100.0]
     reports = ConnectionReports(metrics.connections_cut, interval=10, clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="proxy.tls_server"):
+    with caplog.at_level(logging.INFO, logger="proxy.web.tls_server"):
         reports.cut(("10.0.0.7", 50000), "head_timeout")
         for _ in range(3):
             now[0] += 3

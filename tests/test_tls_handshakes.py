@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.metrics import Metrics
-from proxy.tls_server import HandshakeFailures
+from proxy.core.metrics import Metrics
+from proxy.web.tls_server import HandshakeFailures
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 
@@ -54,7 +54,8 @@ def test_untrusting_clients_are_logged_and_counted(
     lines = [line for line in proxy.log.read_text().splitlines() if "TLS handshake" in line]
     # Six failures within seconds: one line (the rest are counted, not logged).
     assert len(lines) == 1, lines
-    assert re.search(r" WARNING proxy\.tls_server: TLS handshake with 127\.0\.0\.1:\d+ failed: "
+    assert re.search(r" WARNING proxy\.web\.tls_server: TLS handshake with 127\.0\.0\.1:\d+ "
+                     r"failed: "
                      r"the client does not trust this proxy's certificate \(tlsv1 alert "
                      rf"unknown ca\); clients must trust the CA {re.escape(str(ca_file))} ",
                      lines[0]), lines[0]
@@ -72,7 +73,7 @@ def test_handshake_failures_are_rate_limited(caplog: pytest.LogCaptureFixture) -
     now = [100.0]
     failures = HandshakeFailures(metrics.tls_handshake_failures, "trust the CA /x/ca.pem",
                                  interval=10, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="proxy.tls_server"):
+    with caplog.at_level(logging.WARNING, logger="proxy.web.tls_server"):
         failures.record(("10.0.0.7", 50000), alert("TLSV1_ALERT_UNKNOWN_CA"))
         for _ in range(3):
             now[0] += 3

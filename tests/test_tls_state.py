@@ -97,5 +97,5 @@ def test_a_ca_from_the_old_cache_location_is_adopted(tmp_path: Path) -> None:
         assert (state / "url-signing.key").read_bytes() == b"k" * 32
         assert (state / "url-signing.key").stat().st_mode & 0o077 == 0
     log = (tmp_path / "second.log").read_text()
-    assert "INFO proxy.state: adopted" in log and str(legacy) in log
+    assert "INFO proxy.tls.state: adopted" in log and str(legacy) in log
     assert "created a CA" not in log

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-import proxy.freshness
+import proxy.store.freshness
 from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric
@@ -141,7 +141,7 @@ async def test_opentofu_registry_may_publish_without_keys(
 
 async def test_unknown_version_forces_a_refresh(make: Make, registry: FakeRegistry,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy.freshness, "UNKNOWN_ENTRY_REFRESH_SECONDS", 0.0)
+    monkeypatch.setattr(proxy.store.freshness, "UNKNOWN_ENTRY_REFRESH_SECONDS", 0.0)
     client = await make()
     assert "3.3.0" not in (await (await client.get(f"{BASE}/index.json")).json())["versions"]
     registry.add_release("hashicorp", "null", "3.3.0")

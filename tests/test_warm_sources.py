@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.warm_sources import SourceError, read_sources
+from proxy.airgap.sources import SourceError, read_sources
 
 
 def test_configuration_with_local_modules(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from urllib.parse import urljoin, urlsplit
 
 from proxy.config import KNOWN_SERVICES, UpstreamConfig
-from proxy.errors import NotFound, UpstreamError
-from proxy.singleflight import SingleFlight
+from proxy.core.errors import NotFound, UpstreamError
+from proxy.core.singleflight import SingleFlight
 from proxy.upstream.http import MAX_JSON_BYTES, UpstreamHTTP
 
 log = logging.getLogger(__name__)

@@ -34,9 +34,9 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamError
-from proxy.executors import dns
-from proxy.redaction import excerpt
+from proxy.core.errors import UpstreamError
+from proxy.core.executors import dns
+from proxy.core.redaction import excerpt
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

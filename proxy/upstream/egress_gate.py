@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from aiohttp import BasicAuth
 from yarl import URL
 
-from proxy.errors import UpstreamError
+from proxy.core.errors import UpstreamError
 from proxy.upstream.egress import EgressPolicy, normal_host, open_by_name, outbound_proxy
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ import re
 import ssl
 from pathlib import Path
 
-from proxy.disk_space import looks_full, reported_out_of_space
-from proxy.errors import UpstreamError, UpstreamTimeout
-from proxy.executors import quick
-from proxy.redaction import excerpt, mask_secrets
+from proxy.core.errors import UpstreamError, UpstreamTimeout
+from proxy.core.executors import quick
+from proxy.core.redaction import excerpt, mask_secrets
+from proxy.store.disk_space import looks_full, reported_out_of_space
 from proxy.upstream.egress_gate import EgressGate
 
 # Not the proxy variables: git's only way out is the gate, which honors them itself.

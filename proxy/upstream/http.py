@@ -19,9 +19,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
-from proxy.metrics import Metrics
-from proxy.redaction import excerpt
+from proxy.core.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
+from proxy.core.metrics import Metrics
+from proxy.core.redaction import excerpt
 from proxy.upstream.egress import EgressPolicy, GuardedResolver, outbound_proxy
 
 log = logging.getLogger(__name__)

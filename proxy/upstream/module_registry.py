@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from proxy.errors import NotFound, UpstreamError, UpstreamNotFound
-from proxy.models import ModuleAddress, is_valid_module_version
-from proxy.module_sources import resolve_location
+from proxy.core.errors import NotFound, UpstreamError, UpstreamNotFound
+from proxy.core.models import ModuleAddress, is_valid_module_version
+from proxy.modules.sources import resolve_location
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.http import MAX_JSON_BYTES, UpstreamHTTP
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 from contextlib import AbstractAsyncContextManager
 
-from proxy.errors import NotFound, UpstreamNotFound
-from proxy.models import Platform, ProviderAddress
-from proxy.registry_documents import DownloadInfo, VersionEntry, parse_download, parse_versions
+from proxy.core.errors import NotFound, UpstreamNotFound
+from proxy.core.models import Platform, ProviderAddress
 from proxy.upstream.discovery import Discovery
+from proxy.upstream.documents import DownloadInfo, VersionEntry, parse_download, parse_versions
 from proxy.upstream.http import Download, UpstreamHTTP
 
 _MAX_SUMS_BYTES = 1 << 20

@@ -18,7 +18,7 @@ import trustme
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.http_server import ProxyRunner
+from proxy.web.http_server import ProxyRunner
 
 _T = TypeVar("_T")
 

@@ -1,0 +1,1 @@
+"""warm, export and import: filling a cache, carrying it, verifying it inside."""

@@ -1,0 +1,230 @@
+"""The configuration's shape: typed, frozen dataclasses with their defaults (no I/O)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
+# TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
+ENV_PREFIX = "TF_REGISTRY_PROXY_"
+DEFAULT_ALLOWED_HOSTS = ("registry.terraform.io", "registry.opentofu.org")
+KNOWN_SERVICES = ("providers.v1", "modules.v1")
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(Exception):
+    """One or more configuration problems, each naming its key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def default_cache_dir() -> Path:
+    """A per-user cache directory (XDG_CACHE_HOME honored)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tf-registry-proxy"
+
+
+def default_state_dir() -> Path:
+    """A per-user state directory (XDG_STATE_HOME honored): kept apart from the cache, which
+    may be deleted at any time."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tf-registry-proxy"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the proxy listens and how clients reach it."""
+
+    host: str = "127.0.0.1"
+    port: int = 8443
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    public_url: str | None = None
+    log_level: str = "info"
+    access_log: str = "plain"  # "plain", "json" or "off"
+    workers: int = 1  # processes serving one port (SO_REUSEPORT), sharing the cache
+    event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
+    # Seconds responses under way get to finish on SIGTERM before they are cut.
+    shutdown_timeout: float = 30.0
+    # Bounds on clients that connect and then stall (a slow-loris), far above what a real
+    # client needs: Terraform's own HTTP client gives up a TLS handshake after 10 s.
+    tls_handshake_timeout: float = 10.0  # also bounds the TLS close exchange
+    request_head_timeout: float = 20.0  # a request line and headers, from their first byte
+    keepalive_timeout: float = 75.0  # idle between requests (above load balancers' 60 s)
+    max_connections: int = 1000  # per process; beyond it new ones wait in the listen backlog
+    # The generated CA, the server certificate and the URL-signing key: state that clients
+    # depend on, so never under cache.dir.
+    state_dir: Path = field(default_factory=default_state_dir)
+
+    @property
+    def base_url(self) -> str:
+        """The https URL clients use, always ending in `/`."""
+        if self.public_url:
+            return self.public_url if self.public_url.endswith("/") else self.public_url + "/"
+        host = "localhost" if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"https://{host}:{self.port}/"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where verified artifacts and metadata live, and how much room they may take."""
+
+    dir: Path = field(default_factory=default_cache_dir)
+    max_size: int | None = None  # bytes of packages and modules; None: no limit
+
+
+class Secret:
+    """A credential: usable through .value, never shown by repr or str (logs, errors)."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+@dataclass(frozen=True)
+class UpstreamHostConfig:
+    """A configured upstream host: its service URLs replace remote discovery (when given);
+    its token authenticates the proxy to it."""
+
+    services: Mapping[str, str] = field(default_factory=dict)
+    token: Secret | None = None
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """Which registries the proxy may contact, and how."""
+
+    ca_bundle: Path | None = None
+    allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_HOSTS
+    hosts: Mapping[str, UpstreamHostConfig] = field(default_factory=dict)
+    discovery_ttl: float = 3600.0
+    versions_ttl: float = 600.0
+    # Terraform gives a mirror 10 s per request; an upstream answer must come well before.
+    connect_timeout: float = 5.0
+    metadata_timeout: float = 8.0
+    download_timeout: float = 1800.0
+    max_archive_size: int = 2 * 2**30
+    mode: str = "online"  # "offline": never contact upstream, serve what is cached
+    max_concurrent_fills: int = 8
+    # Non-public networks that hosts named by upstream answers may resolve to.
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    # DNS zones of the operator's own networks (besides localhost, local, internal, home.arpa,
+    # localdomain): hosts in them are reached only at addresses in allowed_networks.
+    internal_zones: tuple[str, ...] = ()
+    # Credentials from TF_TOKEN_* variables (they win over tokens in [upstream.hosts]).
+    tokens: Mapping[str, Secret] = field(default_factory=dict)
+
+    @property
+    def offline(self) -> bool:
+        """Whether upstream must never be contacted."""
+        return self.mode == "offline"
+
+    @property
+    def all_hosts(self) -> frozenset[str]:
+        """Every upstream host the proxy serves: allowed_hosts plus configured hosts."""
+        return frozenset(self.allowed_hosts) | frozenset(self.hosts)
+
+    def serves(self, hostname: str) -> bool:
+        """Whether the proxy serves (and may contact) this normalized upstream hostname."""
+        return hostname in self.allowed_hosts or hostname in self.hosts
+
+    def token_for(self, hostname: str) -> str | None:
+        """The credential the proxy presents to this registry host, if any."""
+        token = self.tokens.get(hostname)
+        if token is None:
+            host = self.hosts.get(hostname)
+            token = host.token if host is not None else None
+        return token.value if token is not None else None
+
+
+@dataclass(frozen=True)
+class ModulesConfig:
+    """How registry modules are fetched and served."""
+
+    default_host: str = "registry.terraform.io"
+    max_archive_size: int = 512 * 2**20
+    git_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Optional client authentication: bearer tokens for metadata, signed archive URLs."""
+
+    tokens: tuple[Secret, ...] = ()
+    signed_url_ttl: float = 3600.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether clients must authenticate."""
+        return bool(self.tokens)
+
+
+@dataclass(frozen=True)
+class FiltersConfig:
+    """Optional globs limiting what is served (see proxy.config.filters)."""
+
+    providers: tuple[str, ...] = ()
+    exclude_providers: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    platforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    modules: ModulesConfig = field(default_factory=ModulesConfig)
+    filters: FiltersConfig = field(default_factory=FiltersConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+
+# The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
+ENV_KEYS = {
+    "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
+               "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
+               "request_head_timeout", "keepalive_timeout", "max_connections"),
+    "cache": ("dir", "max_size"),
+    "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
+                 "metadata_timeout", "download_timeout", "max_archive_size",
+                 "max_concurrent_fills"),
+    "modules": ("default_host", "max_archive_size", "git_timeout"),
+}
+
+
+def parse_size(value: object) -> int | None:
+    """Parse `123`, `"512MiB"`, `"2GB"` into bytes; None when malformed."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str):
+        return None
+    match = _SIZE.fullmatch(value)
+    if not match:
+        return None
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]

@@ -1,0 +1,1 @@
+"""Module source locations (go-getter syntax) and safe unpack/repack."""

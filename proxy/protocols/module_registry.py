@@ -1,0 +1,293 @@
+"""The module registry protocol, served from module archives the proxy fetched and repacked.
+
+https://developer.hashicorp.com/terraform/internals/module-registry-protocol
+Operations: list_versions, download (answered from the version list alone, at once: clients
+give it 10 s), archive (fetch the source on a miss: https archive or git clone, apply the
+subdirectory, repack as .tar.gz, store; the slow part, on a request clients do not time out).
+Clients never see upstream's location. Each archive's sha256 is recorded when it is packed:
+a hit on a file written to since is checked against it first (see proxy.store.file_identity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from proxy.config import Config
+from proxy.config.filters import Filters
+from proxy.core.errors import NotFound, Offline, ProxyError
+from proxy.core.executors import quick, slow
+from proxy.core.metrics import Metrics
+from proxy.core.models import ModuleAddress
+from proxy.core.redaction import excerpt, mask_secrets
+from proxy.core.singleflight import SingleFlight
+from proxy.modules.packing import pack, read_packed, select_subdir, unpack
+from proxy.modules.sources import ModuleSource, UnsupportedSource, parse_source
+from proxy.store.archives import ArchiveStore, FillLock
+from proxy.store.disk_space import is_out_of_space
+from proxy.store.file_identity import (
+    FileIdentity,
+    identity_from_record,
+    identity_to_record,
+)
+from proxy.store.freshness import RefreshingDocuments
+from proxy.store.index import MetadataCache
+from proxy.upstream import git
+from proxy.upstream.egress_gate import EgressGate
+from proxy.upstream.http import UpstreamHTTP
+from proxy.upstream.module_registry import ModuleRegistryClient
+from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, adopt_stored, fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def module_archive_key(module: ModuleAddress, version: str) -> str:
+    """The index key of what was recorded about a stored module archive: its sha256, size
+    and identity (`sha256`, `size`, `stored_as`)."""
+    return f"module-archive/{module}/{version}"
+
+
+class ModuleRegistry:
+    """Answers module registry requests for every allowed upstream host."""
+
+    def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataCache,
+                 archives: ArchiveStore, config: Config, metrics: Metrics,
+                 git_ca_file: Path | None, git_gate: EgressGate) -> None:
+        self._client = client
+        self._http = http
+        self._cache = cache
+        self._archives = archives
+        self._config = config
+        self._metrics = metrics
+        self._git_ca_file = git_ca_file
+        self._git_gate = git_gate
+        self._filters = Filters(config.filters)
+        self._version_lists = RefreshingDocuments[list[str]](
+            "module_versions", cache, metrics, config.upstream.versions_ttl,
+            encode=list, decode=list, offline=config.upstream.offline)
+        self._archive_fills: SingleFlight[Path] = SingleFlight()
+        self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
+        self._checked = CheckedFiles()
+
+    async def close(self) -> None:
+        """Stop fills under way (shutdown)."""
+        await self._archive_fills.cancel_all()
+        await self._checked.close()
+        await self._version_lists.close()
+
+    def _require_served(self, module: ModuleAddress) -> None:
+        if not self._config.upstream.serves(module.hostname):
+            raise NotFound(f"host {module.hostname} is not served by this proxy")
+        if not self._filters.module_allowed(module):
+            raise NotFound(f"module {module} is not served by this proxy (filters)")
+
+    # --- protocol operations -------------------------------------------------------------
+
+    async def list_versions(self, module: ModuleAddress) -> dict[str, Any]:
+        """The body of `versions`: `{"modules": [{"versions": [{"version": ...}]}]}`."""
+        self._require_served(module)
+        versions = await self._versions(module)
+        return {"modules": [{"versions": [{"version": v} for v in versions]}]}
+
+    async def download(self, module: ModuleAddress, version: str) -> None:
+        """The `download` operation: raises unless the archive is held or the version list
+        has the version (offline: held only). Starts fetching the source in the background,
+        so that the archive request finds it under way, but never waits for it: Terraform
+        gives this request 10 s and a clone may take minutes (the archive GET has no limit).
+        """
+        self._require_served(module)
+        if await self._archives.lookup(self._archive_parts(module, version)) is not None:
+            return
+        if self._config.upstream.offline:
+            raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
+                          "offline")
+        if version not in await self._versions(module, wanted=version):
+            raise NotFound(f"module {module} has no version {version}")
+        self._start_fill(module, version)
+
+    async def archive(self, module: ModuleAddress, version: str) -> Path:
+        """The repacked module archive, fetched from its source on a miss (waiting for a
+        fetch already under way rather than starting another)."""
+        self._require_served(module)
+        path = await self._stored(module, version)
+        if path is not None:
+            self._metrics.cache_lookups.labels("module", "hit").inc()
+            return path
+        self._metrics.cache_lookups.labels("module", "miss").inc()
+        # Shielded: a client that hangs up does not cancel a fill others wait for.
+        return await asyncio.shield(self._start_fill(module, version))
+
+    # --- versions ------------------------------------------------------------------------
+
+    async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
+        return await self._version_lists.get(
+            f"module-versions/{module}", lambda: self._client.list_versions(module),
+            knows=None if wanted is None else (lambda versions: wanted in versions))
+
+    # --- archives ------------------------------------------------------------------------
+
+    @staticmethod
+    def _archive_parts(module: ModuleAddress, version: str) -> list[str]:
+        return ["modules", module.hostname, module.namespace, module.name, module.system,
+                f"{version}.tar.gz"]
+
+    async def _stored(self, module: ModuleAddress, version: str,
+                      check: bool = True) -> Path | None:
+        """The stored archive while it is the file whose sha256 was recorded; one written to
+        since is read again first (check; without it, under the fill lock, it is just not
+        used), and dropped if it no longer matches. One stored before sha256s were recorded
+        is adopted if it reads through as an intact .tar.gz."""
+        path = self._archives.path_for(self._archive_parts(module, version))
+        identity = await self._archives.identity(path)
+        if identity is None:
+            return None
+        if self._checked.seen(path, identity):  # the common hit: one stat, no index read
+            return path
+        record = await self._cache.get(module_archive_key(module, version)) or {}
+        recorded = recorded_sha256(record)
+        if recorded is not None and identity_from_record(record.get("stored_as")) == identity:
+            self._checked.remember(path, identity)
+            return path
+        if not check:
+            return None
+        try:
+            checked = await self._read_again(module, version, path, identity, recorded)
+        except DamagedFile as damage:
+            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+                await self._drop_damaged(module, version, path, damage)
+            if self._config.upstream.offline:
+                raise Offline(f"the stored archive of module {module} {version} was damaged, "
+                              "and the proxy is offline") from None
+            return None
+        if checked is None:
+            return None  # gone meanwhile
+        self._checked.remember(path, checked[1])
+        await self._record(module, version, *checked)
+        return path
+
+    async def _read_again(self, module: ModuleAddress, version: str, path: Path,
+                          identity: FileIdentity, recorded: str | None
+                          ) -> tuple[str, FileIdentity] | None:
+        """The sha256 and identity of a stored archive that matches its record, or that is
+        intact when it has none; None when it is gone. Raises DamagedFile."""
+        if recorded is not None:
+            checked = await self._checked.verify(path, identity, recorded)
+            return None if checked is None else (recorded, checked)
+        adopted = await adopt_stored(path, read_packed)
+        if adopted is not None:
+            log.info("module %s %s: recorded the sha256 of an archive stored without one",
+                     module, version)
+        return adopted
+
+    async def _record(self, module: ModuleAddress, version: str, sha256: str,
+                      identity: FileIdentity) -> None:
+        await self._cache.set(module_archive_key(module, version), {
+            "sha256": sha256, "size": identity.size,
+            "stored_as": identity_to_record(identity)})
+
+    async def _drop_damaged(self, module: ModuleAddress, version: str, path: Path,
+                            damage: DamagedFile) -> None:
+        """Delete a damaged stored archive and its record, then count and log it: once, by
+        whoever deletes it. Runs under the module's fill lock."""
+        self._checked.forget(path)
+        if not await self._archives.discard(path, damage.identity):
+            # Gone, or replaced by a fill since it was read: the record is the fill's.
+            log.info("module %s %s: the stored archive %s; already dropped or replaced",
+                     module, version, damage.message)
+            return
+        await self._cache.delete(module_archive_key(module, version))
+        self._metrics.integrity_failures.labels(damage.kind).inc()
+        log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
+                  "fetched again", damage.kind, module, version, damage.message)
+
+    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[Path]:
+        return self._archive_fills.start(("module", str(module), version),
+                                         lambda: self._logged_fill(module, version))
+
+    async def _logged_fill(self, module: ModuleAddress, version: str) -> Path:
+        # Logged here, once per fill: a prefetch may have no client to report a failure to.
+        try:
+            return await self._fill(module, version)
+        except ProxyError as exc:
+            log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
+                    "module %s %s: fetching its source failed: %s", module, version,
+                    exc.message)
+            raise
+        except Exception:
+            log.exception("module %s %s: fetching its source failed", module, version)
+            raise
+
+    async def _fill(self, module: ModuleAddress, version: str) -> Path:
+        # One fill per module version across the processes sharing the cache.
+        try:
+            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+                return await self._fill_locked(module, version)
+        except OSError as exc:  # the lock, the source, its tree or the archive found no room
+            if not is_out_of_space(exc):
+                raise
+            raise self._archives.disk.ran_out("module") from exc
+
+    async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
+        parts = self._archive_parts(module, version)
+        # Just published by another fill? (Not a file to check: it is replaced.)
+        published = await self._stored(module, version, check=False)
+        if published is not None:
+            return published
+        if version not in await self._versions(module, wanted=version):
+            raise NotFound(f"module {module} has no version {version}")
+        location = await self._client.download_location(module, version)
+        source = parse_source(location)
+        log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
+        async with self._fill_slots:
+            return await self._build(module, version, source, parts)
+
+    async def _build(self, module: ModuleAddress, version: str, source: ModuleSource,
+                     parts: list[str]) -> Path:
+        limit = self._config.modules.max_archive_size
+        work = await quick(self._archives.work_dir)
+        self._metrics.fills_in_flight.inc()
+        try:
+            tree = await self._fetch_tree(module, source, work)
+            module_root = await quick(select_subdir, tree, source.subdir)
+            packed = self._archives.temp_file()
+            try:
+                await slow(pack, module_root, packed, limit)
+                # Recorded first: no moment when the archive is there and nothing vouches
+                # for it. Publishing renames it, which leaves its identity as it is.
+                sha256, identity = await slow(fingerprint, packed)
+                await self._record(module, version, sha256, identity)
+                published = await self._archives.publish(packed, parts)
+                self._checked.remember(published, identity)
+                return published
+            except BaseException:
+                packed.unlink(missing_ok=True)
+                raise
+        finally:
+            self._metrics.fills_in_flight.dec()
+            await slow(shutil.rmtree, work, True)
+
+    async def _fetch_tree(self, module: ModuleAddress, source: ModuleSource,
+                          work: Path) -> Path:
+        tree = work / "tree"
+        limit = self._config.modules.max_archive_size
+        if source.kind == "git":
+            await git.clone(source.url, source.ref, tree,
+                            time_limit=self._config.modules.git_timeout,
+                            ca_file=self._git_ca_file, gate=self._git_gate)
+            return tree
+        if source.archive is None:
+            raise UnsupportedSource(f"module location {excerpt(source.url, 200)} is not an archive "
+                                    "(no ?archive= and no known extension)")
+        download = work / "source.archive"
+        await self._http.download(source.url, module.hostname, download, limit)
+        await slow(unpack, download, source.archive, tree, limit)
+        return tree
+
+
+def recorded_sha256(record: object) -> str | None:
+    """The sha256 a module archive record holds; None if it is not such a record."""
+    sha256 = record.get("sha256") if isinstance(record, dict) else None
+    return sha256 if isinstance(sha256, str) else None

@@ -1,0 +1,1 @@
+"""The storage seam: blobs, the metadata index, fill locks, freshness, eviction."""

@@ -1,0 +1,225 @@
+"""Verified package facts, shared by the network mirror and the registry protocol: version
+lists (refreshed), and per package the facts checked against the signed SHA256SUMS, with the
+SHA256SUMS bytes and signature themselves."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from proxy.config import UpstreamConfig
+from proxy.config.filters import Filters
+from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.executors import quick
+from proxy.core.metrics import Metrics
+from proxy.core.models import Platform, ProviderAddress
+from proxy.core.redaction import mask_secrets
+from proxy.core.singleflight import SingleFlight
+from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
+from proxy.store.freshness import RefreshingDocuments
+from proxy.store.index import MetadataCache
+from proxy.upstream.documents import (
+    DownloadInfo,
+    VersionEntry,
+    parse_sha256sums,
+    without_upstream_urls,
+)
+from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.verification.signatures import verify_detached
+
+log = logging.getLogger(__name__)
+
+# registry.opentofu.org publishes some providers without signing keys; OpenTofu accepts that
+# for this host alone, so the proxy does too (logged). Every other host must sign.
+UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
+
+
+@dataclass(frozen=True)
+class VerifiedPackage:
+    """Facts about one package that were checked against the signed SHA256SUMS; immutable.
+    (Download URLs are not kept: registries may hand out short-lived ones.)"""
+
+    filename: str
+    shasum: str
+    h1: str | None = None
+    size: int | None = None  # of the zip as stored, once it was
+    sums_id: str | None = None  # which signed SHA256SUMS vouches for it
+    document: dict[str, Any] | None = None  # upstream's download document, as published
+    # The stored zip as it was when its bytes last matched shasum: a hit on a file that no
+    # longer looks like this reads it again before serving it.
+    stored_as: FileIdentity | None = None
+
+
+class VerifiedPackages:
+    """Version lists and verified package facts, fetched on a miss and cached."""
+
+    def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
+                 config: UpstreamConfig, metrics: Metrics,
+                 filters: Filters | None = None) -> None:
+        self.registry = registry
+        self.filters = filters or Filters()
+        self._cache = cache
+        self._config = config
+        self._metrics = metrics
+        self._versions = RefreshingDocuments[list[VersionEntry]](
+            "versions", cache, metrics, config.versions_ttl,
+            encode=lambda entries: [_entry_to_record(e) for e in entries],
+            decode=lambda records: [_entry_from_record(r) for r in records],
+            offline=config.offline)
+        self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
+        self._sums_fills: SingleFlight[bytes] = SingleFlight()
+
+    def require_served(self, provider: ProviderAddress) -> None:
+        """NotFound unless the proxy serves this provider (host allowed, filters pass).
+        Checked before the cache too: a host dropped from the config is not served from
+        disk."""
+        if not self._config.serves(provider.hostname):
+            raise NotFound(f"host {provider.hostname} is not served by this proxy")
+        if not self.filters.provider_allowed(provider):
+            raise NotFound(f"{provider} is not served by this proxy (filters)")
+
+    async def close(self) -> None:
+        """Stop fills under way (shutdown)."""
+        for flights in (self._sums_fills, self._package_fills):
+            await flights.cancel_all()
+        await self._versions.close()
+
+    async def version_list(self, provider: ProviderAddress,
+                           wanted: str | None = None) -> list[VersionEntry]:
+        """Upstream's version list (refreshed early when `wanted` is not in it)."""
+        return await self._versions.get(
+            f"versions/{provider}", lambda: self.registry.list_versions(provider),
+            knows=None if wanted is None else
+            (lambda entries: any(e.version == wanted for e in entries)))
+
+    async def version_entry(self, provider: ProviderAddress, version: str) -> VersionEntry:
+        """One version's entry; NotFound when upstream does not list it."""
+        for entry in await self.version_list(provider, wanted=version):
+            if entry.version == version:
+                return entry
+        raise NotFound(f"{provider} has no version {version}")
+
+    @staticmethod
+    def package_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
+        """The metadata cache key of a package's verified facts."""
+        return f"package/{provider}/{version}/{platform.key}"
+
+    async def save(self, provider: ProviderAddress, version: str, platform: Platform,
+                   package: VerifiedPackage) -> None:
+        """Record (updated) facts about a package."""
+        record = asdict(package)
+        record["stored_as"] = identity_to_record(package.stored_as)
+        await self._cache.set(self.package_key(provider, version, platform), record)
+
+    async def stored_facts(self, provider: ProviderAddress, version: str,
+                           platform: Platform) -> VerifiedPackage | None:
+        """The recorded facts, without fetching anything."""
+        record = await self._cache.get(self.package_key(provider, version, platform))
+        return _package_from_record(record) if record is not None else None
+
+    async def package(self, provider: ProviderAddress, version: str, platform: Platform,
+                      info: DownloadInfo | None = None) -> VerifiedPackage:
+        """The verified facts of a package: cached, or fetched and checked now."""
+        key = self.package_key(provider, version, platform)
+        record = await self._cache.get(key)
+        if record is not None:
+            self._metrics.cache_lookups.labels("package", "hit").inc()
+            return _package_from_record(record)
+        self._metrics.cache_lookups.labels("package", "miss").inc()
+        return await self._package_fills.run(
+            key, lambda: self._fill_package(key, provider, version, platform, info))
+
+    async def _fill_package(self, key: str, provider: ProviderAddress, version: str,
+                            platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
+        record = await self._cache.get(key)  # a fill that finished since the caller looked
+        if record is not None:
+            return _package_from_record(record)
+        if info is None:
+            info = await self.registry.download_info(provider, version, platform)
+        sums = parse_sha256sums(await self.signed_sums(provider, version, info))
+        listed = sums.get(info.filename)
+        if listed is None:
+            raise self.integrity("sha256sums", f"SHA256SUMS of {provider} {version} has no "
+                                  f"line for {info.filename}")
+        if listed != info.shasum:
+            raise self.integrity("sha256sums", f"SHA256SUMS lists {listed} for "
+                                  f"{info.filename}, the download document {info.shasum}")
+        package = VerifiedPackage(filename=info.filename, shasum=info.shasum,
+                                  sums_id=sums_id(info.shasums_url),
+                                  document=without_upstream_urls(info.document))
+        await self._cache.set(key, asdict(package))
+        return package
+
+    async def stored_sums(self, provider: ProviderAddress, version: str,
+                          name: str) -> tuple[bytes, bytes] | None:
+        """The verified SHA256SUMS and its signature, byte for byte, if held."""
+        record = await self._cache.get(f"sums/{provider}/{version}/{name}")
+        if record is None:
+            return None
+        return bytes(record["sums"]), bytes(record["signature"])
+
+    async def signed_sums(self, provider: ProviderAddress, version: str,
+                          info: DownloadInfo) -> bytes:
+        """SHA256SUMS bytes whose signature verified (cached: immutable once verified)."""
+        key = f"sums/{provider}/{version}/{sums_id(info.shasums_url)}"
+        record = await self._cache.get(key)
+        if record is not None:
+            self._metrics.cache_lookups.labels("sums", "hit").inc()
+            return bytes(record["sums"])
+        self._metrics.cache_lookups.labels("sums", "miss").inc()
+        return await self._sums_fills.run(key, lambda: self._fill_sums(key, provider, info))
+
+    async def _fill_sums(self, key: str, provider: ProviderAddress, info: DownloadInfo) -> bytes:
+        record = await self._cache.get(key)  # a fill that finished since the caller looked
+        if record is not None:
+            return bytes(record["sums"])
+        sums, signature = await self.registry.shasums(provider, info)
+        if not info.signing_keys and provider.hostname in UNSIGNED_ALLOWED_HOSTS:
+            log.warning("%s publishes %s without signing keys; accepted for this host only",
+                        provider.hostname, provider)
+            signed_by = ""
+        else:
+            try:
+                signed_by = await quick(
+                    verify_detached, sums, signature, info.signing_keys)
+            except IntegrityError as exc:
+                raise self.integrity(exc.kind, f"{provider}: {exc.message}") from None
+        await self._cache.set(key, {"sums": sums, "signature": signature,
+                                    "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
+        return sums
+
+    def integrity(self, kind: str, message: str) -> IntegrityError:
+        """Count, log and return an integrity failure."""
+        self._metrics.integrity_failures.labels(kind).inc()
+        log.error("integrity failure (%s): %s", kind, message)
+        return IntegrityError(kind, message)
+
+    @staticmethod
+    def archive_parts(provider: ProviderAddress, version: str,
+                      platform: Platform) -> list[str]:
+        """Where the package's zip is stored."""
+        return ["archives", provider.hostname, provider.namespace, provider.type, version,
+                provider.archive_filename(version, platform)]
+
+
+def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:
+    return {"version": entry.version, "protocols": list(entry.protocols),
+            "platforms": [p.key for p in entry.platforms]}
+
+
+def _entry_from_record(record: dict[str, Any]) -> VersionEntry:
+    return VersionEntry(version=record["version"], protocols=tuple(record["protocols"]),
+                        platforms=tuple(Platform.from_key(k) for k in record["platforms"]))
+
+
+def _package_from_record(record: dict[str, Any]) -> VerifiedPackage:
+    return VerifiedPackage(record["filename"], record["shasum"], record.get("h1"),
+                           record.get("size"), record.get("sums_id"), record.get("document"),
+                           identity_from_record(record.get("stored_as")))
+
+
+def sums_id(shasums_url: str) -> str:
+    """A short, stable name for one upstream SHA256SUMS file."""
+    return hashlib.sha256(shasums_url.encode()).hexdigest()[:32]

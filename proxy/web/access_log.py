@@ -1,0 +1,54 @@
+"""One access log line per request, plain or JSON, with credentials in URLs masked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web import BaseRequest, StreamResponse
+
+from proxy.core.redaction import mask_secrets
+
+__all__ = ["CACHE_RESULT_KEY", "JsonAccessLogger", "PlainAccessLogger", "mask_secrets",
+           "request_line_fields"]
+
+log = logging.getLogger("proxy.access")
+# Set by handlers that serve files: "hit" (from the cache) or "miss" (fetched now).
+CACHE_RESULT_KEY = web.RequestKey("cache_result", str)
+
+
+def request_line_fields(request: BaseRequest, response: StreamResponse,
+                        seconds: float) -> dict[str, Any]:
+    """What the access log says about one request."""
+    size = response.body_length
+    if response.status == 200 and request.method != "HEAD" and response.content_length:
+        size = response.content_length  # sendfile bodies are not counted by body_length
+    return {
+        "remote": request.remote,
+        "method": request.method,
+        "path": mask_secrets(request.path_qs),
+        "status": response.status,
+        "bytes": size,
+        "duration_ms": round(seconds * 1000, 1),
+        "cache": request.get(CACHE_RESULT_KEY, "-"),
+    }
+
+
+class PlainAccessLogger(AbstractAccessLogger):
+    """`remote "METHOD path" status bytes duration cache=...`."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        f = request_line_fields(request, response, time)
+        log.info('%s "%s %s" %s %s %sms cache=%s', f["remote"], f["method"], f["path"],
+                 f["status"], f["bytes"], f["duration_ms"], f["cache"])
+
+
+class JsonAccessLogger(AbstractAccessLogger):
+    """One JSON object per line."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        log.info("%s", json.dumps(request_line_fields(request, response, time),
+                                  separators=(",", ":")))

@@ -1,0 +1,256 @@
+"""Response helpers: protocol JSON documents, files sent from the cache or while they are
+still being downloaded, and the one way a response that fails after its headers ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO, Any, BinaryIO, cast
+
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.web_fileresponse import NOSENDFILE, _FileResponseResult
+from prometheus_client import Counter
+
+from proxy.core.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
+from proxy.core.executors import quick, quick_soon
+from proxy.core.redaction import mask_secrets
+from proxy.store.archives import ArchiveStore, GrowingFile
+from proxy.web.access_log import CACHE_RESULT_KEY
+
+log = logging.getLogger(__name__)
+
+
+def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
+    """Serialize a protocol document as application/json."""
+    return web.Response(status=status, body=json.dumps(document, separators=(",", ":")).encode(),
+                        content_type="application/json")
+
+
+def error_body(message: str) -> bytes:
+    """The one error shape, `{"errors": ["..."]}`, secrets masked."""
+    return json.dumps({"errors": [mask_secrets(message)]}).encode()
+
+
+# A stored file may leave the cache (another process evicted it) between being found and
+# being opened; it is then looked up again, which fetches it anew. Never in a loop.
+_FIND_ATTEMPTS = 3
+
+
+async def send_file(request: web.Request, find: Callable[[], Awaitable[Path | GrowingFile]],
+                    content_type: str, store: ArchiveStore,
+                    served: Counter) -> web.StreamResponse:
+    """What `find` returns: a stored file by sendfile, or a download under way as its bytes
+    arrive. Either is sent here, inside the error middleware: a failure before the headers
+    becomes a JSON error, one after them cuts the connection (see `abort_after_headers`). A
+    stored file is opened, and marked in use, before anything is sent."""
+    for _attempt in range(_FIND_ATTEMPTS):
+        source = await find()
+        request[CACHE_RESULT_KEY] = "hit" if isinstance(source, Path) else "miss"
+        if isinstance(source, GrowingFile):
+            if request.method != "HEAD":
+                return await _stream(request, source, content_type, served)
+            source = await source.wait_done()
+        handle = await quick(store.open_to_send, source)
+        if handle is None:
+            log.info("%s left the cache before it could be sent; looking it up again",
+                     source.name)
+            continue
+        try:
+            store.touch(source)
+            sent = _OpenFileResponse(handle, source, served,
+                                     headers={"Content-Type": content_type})
+            await sent.prepare(request)
+        finally:
+            handle.close()
+        return sent
+    raise Unavailable("the file kept leaving the cache before it could be sent (the cache "
+                      "is too small for its load); try again")
+
+
+async def _stream(request: web.Request, source: GrowingFile, content_type: str,
+                  served: Counter) -> web.StreamResponse:
+    streamed = web.StreamResponse(headers={"Content-Type": content_type})
+    if source.size is not None:
+        streamed.content_length = source.size
+    await streamed.prepare(request)
+    # A download that fails verification (or cannot be published) raises here, mid-body.
+    async with contextlib.aclosing(source.chunks()) as chunks:
+        async for chunk in chunks:
+            await streamed.write(chunk)
+            served.inc(len(chunk))
+    await streamed.write_eof()
+    return streamed
+
+
+# --- failures after the headers were sent --------------------------------------------------
+
+PREPARED_RESPONSE_KEY = web.RequestKey("prepared_response", web.StreamResponse)
+
+
+async def remember_prepared(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: note that this request's status line and headers are committed,
+    so that a later failure is not answered with a second response."""
+    request[PREPARED_RESPONSE_KEY] = response
+
+
+def _abort_reason(exc: BaseException) -> str:
+    """A bounded label for why a response was cut off."""
+    if isinstance(exc, IntegrityError):
+        return "integrity"
+    if isinstance(exc, InsufficientStorage):
+        return "io"  # the cache disk filled up under a download
+    if isinstance(exc, ProxyError):
+        return "upstream"
+    if isinstance(exc, OSError):
+        return "io"
+    return "internal"
+
+
+def abort_after_headers(request: web.Request, exc: BaseException, aborted: Counter,
+                        route: str) -> None:
+    """A failure after the headers went out: no error answer can follow them, and ending the
+    body cleanly would hand the client a short or bad file as if it were whole. Reset the
+    connection, count it and log it once. A client that hung up is neither."""
+    transport = request.transport
+    if isinstance(exc, ConnectionError) and (transport is None or transport.is_closing()):
+        log.debug("client left %s %s mid-body", request.method, request.path)
+    else:
+        reason = _abort_reason(exc)
+        aborted.labels(route, reason).inc()
+        message = exc.message if isinstance(exc, ProxyError) else str(exc) or type(exc).__name__
+        log.log(logging.WARNING if isinstance(exc, ProxyError) else logging.ERROR,
+                "%s %s cut off mid-body (%s): %s", request.method, request.path, reason,
+                message, exc_info=exc if reason == "internal" else None)
+    _reset_connection(request)
+
+
+def _reset_connection(request: web.Request) -> None:
+    """Drop the connection with a TCP reset, discarding anything not yet sent: a clean close
+    (FIN) would end a body that has no Content-Length as if it were complete."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+# FileResponse opens what it sends by name. On Linux, the name of an open descriptor names
+# exactly the file that was opened (and marked in use), even once it is deleted: no bare 404
+# if it leaves the cache meanwhile. Elsewhere, the mark keeps eviction away from the path.
+_OPEN_FILES = Path("/proc/self/fd")
+_NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
+
+
+class _JsonErrors(web.StreamResponse):
+    """The error answers FileResponse makes itself (416 for a range outside the file, 412 for
+    a failed precondition) get the proxy's JSON error body, their headers kept (a 416's
+    `Content-Range: bytes */SIZE`). FileResponse prepares them through this class."""
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared or self.status < 400:
+            return await super().prepare(request)
+        message = self.reason
+        if self.status == 416:
+            size = self.headers.get(hdrs.CONTENT_RANGE, "").rpartition("/")[2]
+            message = f"range not satisfiable: the file has {size} bytes"
+        body = error_body(message)
+        self.content_type = "application/json"
+        self.content_length = len(body)
+        writer = await super().prepare(request)
+        if request.method != "HEAD":
+            await self.write(body)
+        return writer
+
+
+class _OpenFileResponse(web.FileResponse, _JsonErrors):
+    """sendfile of a stored file this request already opened; counts the bytes sent. Every
+    blocking call runs on the quick pool, never on the loop's default executor, where
+    libraries' calls (aiofiles, name lookups outside the proxy's own) may queue."""
+
+    def __init__(self, handle: BinaryIO, path: Path, served: Counter,
+                 headers: dict[str, str]) -> None:
+        super().__init__(_OPEN_FILES / str(handle.fileno()) if _NAMES_OPEN_FILES else path,
+                         headers=headers)
+        self._served = served
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared:
+            # Sent by the handler already; aiohttp calls prepare again when it finishes.
+            return await web.StreamResponse.prepare(self, request)
+        writer = await self._prepare_file(request)
+        if request.method != "HEAD" and self.status == 200 and self.content_length:
+            self._served.inc(self.content_length)
+        return writer
+
+    async def _prepare_file(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """FileResponse.prepare, its stat and open on the quick pool."""
+        accept_encoding = request.headers.get(hdrs.ACCEPT_ENCODING, "").lower()
+        try:
+            result, fobj, st, encoding = await quick(self._make_response, request,
+                                                     accept_encoding)
+        except OSError as exc:  # gone, or unreadable: FileResponse's answers, as JSON
+            self.set_status(403 if isinstance(exc, PermissionError) else 404)
+            return await _JsonErrors.prepare(self, request)
+        if result is _FileResponseResult.NOT_ACCEPTABLE:
+            self.set_status(403)
+            return await _JsonErrors.prepare(self, request)
+        if result is _FileResponseResult.PRE_CONDITION_FAILED:
+            return await self._precondition_failed(request)
+        if result is _FileResponseResult.NOT_MODIFIED:
+            return await self._not_modified(request, f"{st.st_mtime_ns:x}-{st.st_size:x}",
+                                            st.st_mtime)
+        assert fobj is not None
+        try:
+            return await self._prepare_open_file(request, fobj, st, encoding)
+        finally:
+            quick_soon(fobj.close)
+
+    async def _sendfile(self, request: web.BaseRequest, fobj: IO[Any], offset: int,
+                        count: int) -> AbstractStreamWriter:
+        writer = await _JsonErrors.prepare(self, request)
+        assert writer is not None
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("Connection lost")
+        # sendfile(2) where the loop has it and nothing transforms the bytes: not through TLS
+        # or compression, and not on uvloop (NotImplementedError). There asyncio and aiohttp
+        # would read the file on the default executor; it is read here on the quick pool.
+        if not (NOSENDFILE or self.compression
+                or transport.get_extra_info("sslcontext") is not None):
+            try:
+                await asyncio.get_running_loop().sendfile(transport, fobj, offset, count,
+                                                          fallback=False)
+            except (NotImplementedError, asyncio.SendfileNotAvailableError):
+                pass
+            else:
+                await self.write_eof()
+                return writer
+        while count > 0:
+            chunk = await quick(_read_at, cast(io.BufferedIOBase, fobj), offset,
+                                min(self._chunk_size, count))
+            if not chunk:  # cut short: the headers promised more, so this cannot end well
+                raise OSError(f"{self._path.name} ended {count} bytes early")
+            await writer.write(chunk)
+            offset += len(chunk)
+            count -= len(chunk)
+        await writer.drain()
+        return writer
+
+
+def _read_at(file: io.BufferedIOBase, offset: int, size: int) -> bytearray:
+    """Up to size bytes of file from offset (blocking)."""
+    file.seek(offset)
+    chunk = bytearray(size)  # a new buffer each time: the transport may still hold the last
+    del chunk[file.readinto(chunk):]
+    return chunk

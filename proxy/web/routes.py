@@ -1,0 +1,224 @@
+"""HTTP handlers: path parameters -> models -> service call -> response."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy.config import Config
+from proxy.core.errors import NotFound
+from proxy.core.executors import quick
+from proxy.core.metrics import CONTENT_TYPE_LATEST, Metrics
+from proxy.core.models import (
+    ModuleAddress,
+    Platform,
+    ProviderAddress,
+    parse_module_version,
+    parse_version,
+)
+from proxy.protocols.module_registry import ModuleRegistry
+from proxy.protocols.network_mirror import ProviderMirror
+from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.store.archives import ArchiveStore
+from proxy.web.auth import SIGNER_KEY
+from proxy.web.responses import json_response, send_file
+
+log = logging.getLogger(__name__)
+MIRROR_PREFIX = "/mirror/"
+MODULES_PREFIX = "/modules/"
+PROVIDERS_PREFIX = "/providers/"
+_SUMS_ID = re.compile(r"[0-9a-f]{32}")
+METRICS_KEY = web.AppKey("metrics", Metrics)
+MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
+MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
+REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
+ARCHIVES_KEY = web.AppKey("archives", ArchiveStore)
+CONFIG_KEY = web.AppKey("config", Config)
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    """Liveness: the process answers."""
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the configuration is loaded and the cache directory takes writes (and,
+    after its disk filled up, has room again for what did not fit)."""
+    if ARCHIVES_KEY not in request.app:
+        return json_response({"errors": ["still starting"]}, status=503)
+    archives = request.app[ARCHIVES_KEY]
+    problem = await quick(
+        lambda: _cache_write_problem(archives.tmp) or archives.disk.problem())
+    if problem:
+        return json_response({"errors": [problem]}, status=503)
+    return json_response({"status": "ready"})
+
+
+def _cache_write_problem(directory: Path) -> str | None:
+    probe = directory / f".readyz-{os.getpid()}"
+    try:
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"cache directory {directory} is not writable: {exc.strerror}"
+    return None
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus exposition."""
+    archives = request.app.get(ARCHIVES_KEY)
+    if archives is not None:  # the cache's size as every process sharing it left it
+        await quick(archives.reread_usage)
+    body = request.app[METRICS_KEY].render()
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def mirror_file(request: web.Request) -> web.StreamResponse:
+    """`:hostname/:namespace/:type/(index.json | VERSION.json | package.zip)`."""
+    info = request.match_info
+    provider = ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+    name = info["name"]
+    mirror = request.app[MIRROR_KEY]
+    if name == "index.json":
+        return json_response(await mirror.list_versions(provider))
+    if name.endswith(".json"):
+        version = parse_version(name.removesuffix(".json"))
+        document = await mirror.version_document(provider, version)
+        signer = request.app.get(SIGNER_KEY)
+        if signer is not None:  # archives are fetched without credentials: sign their URLs
+            document = copy.deepcopy(document)
+            directory = request.path.rsplit("/", 1)[0]
+            for archive in document["archives"].values():
+                archive["url"] += "?" + signer.query(f"{directory}/{archive['url']}")
+        return json_response(document)
+    if name.endswith(".zip"):
+        return await send_file(request, lambda: mirror.archive(provider, name),
+                               "application/zip", request.app[ARCHIVES_KEY],
+                               request.app[METRICS_KEY].served_bytes.labels("package"))
+    raise NotFound(f"no such mirror document {name[:120]!r}")
+
+
+def public_base(request: web.Request) -> str:
+    """The https base URL clients reach us at: `server.public_url`, else the request's Host
+    (what this client used to reach us), so absolute URLs work behind any name."""
+    configured = request.app[CONFIG_KEY].server.public_url
+    if configured:
+        return configured if configured.endswith("/") else configured + "/"
+    return f"https://{request.host}/"
+
+
+async def discovery(request: web.Request) -> web.Response:
+    """Our own service discovery: modules and providers addressed to the proxy's hostname
+    come from the default upstream host. Served anonymously, from memory (clients treat 401
+    as fatal)."""
+    default_host = request.app[CONFIG_KEY].modules.default_host
+    return json_response({"modules.v1": f"{MODULES_PREFIX}{default_host}/",
+                          "providers.v1": f"{PROVIDERS_PREFIX}{default_host}/"})
+
+
+def _provider(request: web.Request) -> ProviderAddress:
+    info = request.match_info
+    return ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+
+
+async def provider_versions(request: web.Request) -> web.Response:
+    """providers.v1 `:namespace/:type/versions`."""
+    return json_response(await request.app[REGISTRY_KEY].list_versions(_provider(request)))
+
+
+async def provider_download(request: web.Request) -> web.Response:
+    """providers.v1 `:namespace/:type/:version/download/:os/:arch`: upstream's document with
+    its three URLs pointing at the proxy (signed when clients must authenticate)."""
+    provider = _provider(request)
+    version = parse_version(request.match_info["version"])
+    platform = Platform.parse(request.match_info["os"], request.match_info["arch"])
+    document, sums = await request.app[REGISTRY_KEY].download_document(
+        provider, version, platform)
+    base = public_base(request)
+    signer = request.app.get(SIGNER_KEY)
+
+    def url(path: str) -> str:
+        return base + path.lstrip("/") + ("?" + signer.query(path) if signer else "")
+
+    sums_path = f"{PROVIDERS_PREFIX}{provider}/{version}/sums/{sums}/SHA256SUMS"
+    document["download_url"] = url(
+        f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}")
+    document["shasums_url"] = url(sums_path)
+    document["shasums_signature_url"] = url(sums_path + ".sig")
+    return json_response(document)
+
+
+async def provider_sums(request: web.Request) -> web.Response:
+    """The SHA256SUMS file or its signature, byte for byte as upstream published them."""
+    provider = _provider(request)
+    version = parse_version(request.match_info["version"])
+    name, file = request.match_info["sums"], request.match_info["file"]
+    if not _SUMS_ID.fullmatch(name) or file not in ("SHA256SUMS", "SHA256SUMS.sig"):
+        raise NotFound("no such file")
+    sums, signature = await request.app[REGISTRY_KEY].signed_sums(provider, version, name)
+    if file == "SHA256SUMS":
+        return web.Response(body=sums, content_type="text/plain")
+    return web.Response(body=signature, content_type="application/octet-stream")
+
+
+def _module(request: web.Request) -> ModuleAddress:
+    info = request.match_info
+    return ModuleAddress.parse(info["hostname"], info["namespace"], info["name"],
+                               info["system"])
+
+
+async def module_versions(request: web.Request) -> web.Response:
+    """`:namespace/:name/:system/versions`."""
+    return json_response(await request.app[MODULES_KEY].list_versions(_module(request)))
+
+
+async def module_version_file(request: web.Request) -> web.StreamResponse:
+    """`:namespace/:name/:system/:version/download` (points at our archive as soon as the
+    version is known to exist) and the archive itself (GET and HEAD wait for its fill)."""
+    module = _module(request)
+    version = parse_module_version(request.match_info["version"])
+    action = request.match_info["action"]
+    registry = request.app[MODULES_KEY]
+    if action == "download":
+        await registry.download(module, version)
+        archive_path = (f"{MODULES_PREFIX}{module}/{version}/"
+                        f"{module.name}-{module.system}-{version}.tar.gz")
+        location = public_base(request) + archive_path.lstrip("/")
+        signer = request.app.get(SIGNER_KEY)
+        if signer is not None:
+            location += "?" + signer.query(archive_path)
+        # Terraform reads the header (204 or 200), OpenTofu the JSON body of a 200.
+        response = json_response({"location": location})
+        response.headers["X-Terraform-Get"] = location
+        return response
+    if action == f"{module.name}-{module.system}-{version}.tar.gz":
+        return await send_file(request, lambda: registry.archive(module, version),
+                               "application/gzip", request.app[ARCHIVES_KEY],
+                               request.app[METRICS_KEY].served_bytes.labels("module"))
+    raise NotFound(f"no such module document {action[:120]!r}")
+
+
+def add_routes(app: web.Application) -> None:
+    """Every route the proxy serves."""
+    app.router.add_get("/healthz", healthz, name="healthz")
+    app.router.add_get("/readyz", readyz, name="readyz")
+    app.router.add_get("/metrics", metrics, name="metrics")
+    app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
+    app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
+                       name="mirror")
+    provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"
+    app.router.add_get(provider + "/versions", provider_versions, name="provider_versions")
+    app.router.add_get(provider + "/{version}/download/{os}/{arch}", provider_download,
+                       name="provider_download")
+    app.router.add_get(provider + "/{version}/sums/{sums}/{file}", provider_sums,
+                       name="provider_sums")
+    module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
+    app.router.add_get(module + "/versions", module_versions, name="module_versions")
+    app.router.add_get(module + "/{version}/{action}", module_version_file, name="module")
