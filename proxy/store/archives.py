@@ -38,6 +38,7 @@ from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, quick_soon, slow
 from proxy.store.disk_space import DiskSpace, is_out_of_space
 from proxy.store.file_identity import FileIdentity, identity_of
+from proxy.store.layout import AREAS
 from proxy.store.usage import (
     HeldLedger,
     Usage,
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 # Followers of a download read in pieces this large: memory per client stays small.
 _CHUNK = 256 << 10
-_AREAS = ("archives", "modules")
 # Uses are recorded on the files' access time, at most this often per file.
 _TOUCH_INTERVAL = 60.0
 # Eviction frees down to this share of the limit, so it does not run on every fill.
@@ -255,7 +255,7 @@ class ArchiveStore:
         return usage
 
     def _files(self) -> Iterator[tuple[Path, int, float]]:
-        for area in _AREAS:
+        for area in AREAS:
             for directory, _dirs, files in os.walk(self.cache_dir / area):
                 for name in files:
                     path = Path(directory) / name
@@ -277,7 +277,7 @@ class ArchiveStore:
     def path_for(self, parts: Sequence[str]) -> Path:
         """Where the file named by already-validated parts lives (first part: the area,
         `archives` or `modules`)."""
-        if not parts or parts[0] not in _AREAS or any(
+        if not parts or parts[0] not in AREAS or any(
                 p in ("", ".", "..") or "/" in p or "\\" in p or "\0" in p for p in parts):
             raise ValueError(f"unsafe artifact path {parts!r}")
         return self.cache_dir.joinpath(*parts)

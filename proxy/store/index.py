@@ -1,4 +1,5 @@
-"""Metadata store: a diskcache index of small JSON-able records, used off the event loop."""
+"""Metadata store: a diskcache index of small JSON-able records, used off the event loop
+(the disk backend's MetadataIndex, see proxy.store.protocol)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,20 @@ class MetadataCache:
         """Store (replace) the record at key."""
         await self._write(lambda: self._cache.set(key, value))
 
+    async def create(self, key: str, value: dict[str, Any]) -> bool:
+        """Store the record only if key holds none (atomic across processes: leases);
+        returns whether this call created it."""
+        return bool(await self._write(lambda: self._cache.add(key, value)))
+
     async def delete(self, key: str) -> None:
         """Remove the record at key, if any."""
         await self._write(lambda: self._cache.delete(key))
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Every key that starts with prefix, in order."""
+        return await quick(lambda: sorted(
+            key for key in self._cache.iterkeys()
+            if isinstance(key, str) and key.startswith(prefix)))
 
     async def _write(self, write: Callable[[], T]) -> T:
         try:

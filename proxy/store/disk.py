@@ -1,0 +1,219 @@
+"""The disk backend: blobs are files under the cache directory (proxy.store.archives: temp
+file + rename publish, eviction over a usage ledger shared by every process, fill locks),
+index documents a diskcache (proxy.store.index). A key is the file's path below the cache
+directory, so a cache written before the storage seam existed reads as is."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import BinaryIO
+
+import aiofiles
+
+from proxy.core.executors import quick, slow
+from proxy.store.archives import ArchiveStore, FillLock
+from proxy.store.disk_space import DiskSpace
+from proxy.store.file_identity import FileIdentity, identity_of
+from proxy.store.layout import AREAS
+from proxy.store.protocol import BlobInfo, check_key
+
+_CHUNK = 256 << 10
+# FileResponse opens what it sends by name. On Linux, the name of an open descriptor names
+# exactly the file that was opened (and marked in use), even once it is deleted: no bare 404
+# if it leaves the cache meanwhile. Elsewhere, the mark keeps eviction away from the path.
+_OPEN_FILES = Path("/proc/self/fd")
+_NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
+
+
+def _info(key: str, identity: FileIdentity) -> BlobInfo:
+    return BlobInfo(key, identity.size, identity.mtime_ns / 1e9, identity)
+
+
+class DiskBlob:
+    """A stored file opened to be read, marked in use until closed."""
+
+    def __init__(self, key: str, handle: BinaryIO, path: Path) -> None:
+        self._handle = handle
+        self._path = path
+        self._info = _info(key, identity_of(os.fstat(handle.fileno())))
+
+    @property
+    def info(self) -> BlobInfo:
+        """As opened."""
+        return self._info
+
+    @property
+    def local_path(self) -> Path:
+        """The open file's own name where the system has one (/proc/self/fd), else its
+        path in the cache."""
+        return _OPEN_FILES / str(self._handle.fileno()) if _NAMES_OPEN_FILES else self._path
+
+    def file(self) -> BinaryIO:
+        """The open file itself."""
+        return self._handle
+
+    def current_identity(self) -> FileIdentity:
+        """The file's identity now (blocking: an fstat)."""
+        return identity_of(os.fstat(self._handle.fileno()))
+
+    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+        """Bytes start..end, read on the quick pool."""
+        offset = max(0, start)
+        stop = self._info.size if end is None else min(end, self._info.size)
+        while offset < stop:
+            chunk = await quick(_read_at, self._handle, offset, min(_CHUNK, stop - offset))
+            if not chunk:
+                raise OSError(f"{self._path.name} ended {stop - offset} bytes early")
+            offset += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        """Close it: eviction may take it again."""
+        self._handle.close()
+
+
+def _read_at(file: BinaryIO, offset: int, size: int) -> bytes:
+    return os.pread(file.fileno(), size, offset)
+
+
+class DiskBlobStore:
+    """The BlobStore over an ArchiveStore: keys are paths below the cache directory."""
+
+    def __init__(self, files: ArchiveStore) -> None:
+        self.files = files
+
+    @classmethod
+    def at(cls, cache_dir: Path, max_size: int | None = None,
+           on_evict: Callable[[int, int], None] | None = None,
+           disk: DiskSpace | None = None) -> DiskBlobStore:
+        """The store of cache_dir (blocks briefly: makes this process's temp directory)."""
+        return cls(ArchiveStore(cache_dir, max_size, on_evict=on_evict, disk=disk))
+
+    def close(self) -> None:
+        """Remove this process's temp directory."""
+        self.files.close()
+
+    @property
+    def disk(self) -> DiskSpace:
+        """The cache directory's disk."""
+        return self.files.disk
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes stored by every process sharing the cache (latest view)."""
+        return self.files.used_bytes
+
+    @property
+    def file_count(self) -> int:
+        """Files stored by every process sharing the cache (latest view)."""
+        return self.files.file_count
+
+    def path_of(self, key: str) -> Path:
+        """Where the blob at key lives (ValueError for an unsafe key)."""
+        return self.files.path_for(check_key(key).split("/"))
+
+    def spool_path(self) -> Path:
+        """A temp file in this process's temp directory: published by a rename."""
+        return self.files.temp_file()
+
+    def work_dir(self) -> Path:
+        """A work directory in this process's temp directory."""
+        return self.files.work_dir()
+
+    async def publish(self, key: str, spool: Path) -> BlobInfo:
+        """Rename the spool into place (no copy); its identity is the blob's (a rename
+        changes none of it)."""
+        parts = check_key(key).split("/")
+        self.files.path_for(parts)
+        identity = identity_of(await quick(os.stat, spool))
+        await self.files.publish(spool, parts)
+        return _info(key, identity)
+
+    async def put(self, key: str, chunks: AsyncIterable[bytes]) -> BlobInfo:
+        """Write the stream to a spool, flush it, publish it; on failure remove the spool."""
+        self.path_of(key)
+        spool = self.spool_path()
+        try:
+            async with aiofiles.open(spool, "wb") as handle:
+                async for chunk in chunks:
+                    await handle.write(chunk)
+                await handle.flush()
+                await slow(os.fsync, handle.fileno())
+            return await self.publish(key, spool)
+        except BaseException:
+            spool.unlink(missing_ok=True)  # synchronous: also when cancelled
+            raise
+
+    async def stat(self, key: str) -> BlobInfo | None:
+        """One stat of the file."""
+        identity = await self.files.identity(self.path_of(key))
+        return None if identity is None else _info(key, identity)
+
+    async def open(self, key: str) -> DiskBlob | None:
+        """Open the file, marked in use (eviction by any process leaves it alone), and record
+        a use (its access time, at most once a minute)."""
+        path = self.path_of(key)
+        handle = await quick(self.files.open_to_send, path)
+        if handle is None:
+            return None
+        try:
+            blob = await quick(DiskBlob, key, handle, path)
+        except BaseException:
+            handle.close()
+            raise
+        self.files.touch(path)
+        return blob
+
+    async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:
+        """Delete the file unless another replaced it since identity was read."""
+        return await self.files.discard(self.path_of(key), identity)
+
+    async def list(self, prefix: str) -> list[BlobInfo]:
+        """Every file whose key starts with prefix (a walk: on the slow pool)."""
+        return await slow(lambda: sorted(self._listed(prefix), key=lambda info: info.key))
+
+    def _listed(self, prefix: str) -> Iterator[BlobInfo]:
+        top = self.files.cache_dir
+        # Walk only below the prefix's directory part: every key under prefix is there.
+        directory = prefix.rpartition("/")[0]
+        if directory:
+            try:
+                check_key(directory)
+            except ValueError:
+                return
+            starts = [directory] if directory.split("/")[0] in AREAS else []
+        else:
+            starts = list(AREAS)
+        for start in starts:
+            for root, _dirs, files in os.walk(top / start):
+                for name in files:
+                    path = Path(root) / name
+                    key = path.relative_to(top).as_posix()
+                    if not key.startswith(prefix):
+                        continue
+                    try:
+                        yield _info(key, identity_of(path.stat()))
+                    except FileNotFoundError:
+                        continue  # evicted meanwhile
+
+    def fill_lock(self, name: str) -> AbstractAsyncContextManager[object]:
+        """One of the striped flock files: shared by every process using the directory."""
+        return FillLock(self.files.lock_path(name))
+
+    def reread_usage(self) -> None:
+        """Read the usage record every process updates."""
+        self.files.reread_usage()
+
+    def health_problem(self) -> str | None:
+        """The temp directory refuses a write, or the disk filled up."""
+        probe = self.files.tmp / f".readyz-{os.getpid()}"
+        try:
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            return f"cache directory {self.files.tmp} is not writable: {exc.strerror}"
+        return self.files.disk.problem()
+

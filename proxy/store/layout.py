@@ -1,0 +1,115 @@
+"""The storage layout: every key the proxy stores blobs and index documents under is spelled
+here, and nowhere else. Callers ask for keys by what they name; a backend maps keys to files,
+dict entries or object names (see proxy.store.protocol).
+
+Blobs: `archives/HOST/NAMESPACE/TYPE/VERSION/terraform-provider-TYPE_VERSION_OS_ARCH.zip`
+and `modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz`. Index documents: `package/...`,
+`sums/...`, `versions/...`, `module-archive/...`, `module-versions/...`. These are the paths
+the cache directory has always used: a cache written by an earlier release reads as is."""
+
+from __future__ import annotations
+
+from proxy.core.models import ModuleAddress, Platform, ProviderAddress
+
+PROVIDER_AREA = "archives"
+MODULE_AREA = "modules"
+# The blob areas, in the order the disk backend counts and evicts them.
+AREAS = (PROVIDER_AREA, MODULE_AREA)
+_MODULE_SUFFIX = ".tar.gz"
+
+
+# --- blobs ---------------------------------------------------------------------------------
+
+def provider_prefix(provider: ProviderAddress) -> str:
+    """The prefix of every stored package of a provider (its versions below it)."""
+    return f"{PROVIDER_AREA}/{provider.hostname}/{provider.namespace}/{provider.type}/"
+
+
+def provider_archive(provider: ProviderAddress, version: str, platform: Platform) -> str:
+    """The key of a provider package's zip."""
+    return f"{provider_prefix(provider)}{version}/{provider.archive_filename(version, platform)}"
+
+
+def version_of_provider_archive(provider: ProviderAddress, key: str) -> str | None:
+    """The version a key under provider_prefix(provider) is stored for; None if it is not
+    a package's key."""
+    rest = key.removeprefix(provider_prefix(provider))
+    version, _, name = rest.partition("/")
+    return version if rest != key and name and "/" not in name else None
+
+
+def module_archive(module: ModuleAddress, version: str) -> str:
+    """The key of a module version's repacked archive."""
+    return (f"{MODULE_AREA}/{module.hostname}/{module.namespace}/{module.name}/"
+            f"{module.system}/{version}{_MODULE_SUFFIX}")
+
+
+def module_archive_prefix() -> str:
+    """The prefix of every stored module archive."""
+    return f"{MODULE_AREA}/"
+
+
+def parse_module_archive(key: str) -> tuple[ModuleAddress, str] | None:
+    """The module and version a module archive key names; None for another key."""
+    parts = key.split("/")
+    if len(parts) != 6 or parts[0] != MODULE_AREA or not parts[5].endswith(_MODULE_SUFFIX):
+        return None
+    version = parts[5].removesuffix(_MODULE_SUFFIX)
+    if not version:
+        return None
+    return ModuleAddress(parts[1], parts[2], parts[3], parts[4]), version
+
+
+# --- index documents -----------------------------------------------------------------------
+
+PACKAGE_RECORDS = "package/"
+
+
+def package_record(provider: ProviderAddress, version: str, platform: Platform) -> str:
+    """The index key of a package's verified facts."""
+    return f"{PACKAGE_RECORDS}{provider}/{version}/{platform.key}"
+
+
+def parse_package_record(key: str) -> tuple[ProviderAddress, str, Platform] | None:
+    """The package a package_record key names; None for another key."""
+    parts = key.split("/")
+    if len(parts) != 6 or f"{parts[0]}/" != PACKAGE_RECORDS:
+        return None
+    try:
+        platform = Platform.from_key(parts[5])
+    except ValueError:
+        return None
+    return ProviderAddress(parts[1], parts[2], parts[3]), parts[4], platform
+
+
+def sums_record(provider: ProviderAddress, version: str, sums_id: str) -> str:
+    """The index key of a verified SHA256SUMS and its signature."""
+    return f"sums/{provider}/{version}/{sums_id}"
+
+
+def version_list_record(provider: ProviderAddress) -> str:
+    """The index key of a provider's version list."""
+    return f"versions/{provider}"
+
+
+def module_archive_record(module: ModuleAddress, version: str) -> str:
+    """The index key of what was recorded about a stored module archive: its sha256, size
+    and identity (`sha256`, `size`, `stored_as`)."""
+    return f"module-archive/{module}/{version}"
+
+
+def module_version_list_record(module: ModuleAddress) -> str:
+    """The index key of a module's version list."""
+    return f"module-versions/{module}"
+
+
+# --- fill locks ----------------------------------------------------------------------------
+
+def provider_fill(provider: ProviderAddress, version: str, platform: Platform) -> str:
+    """The name of the lock one package's fill (or drop) holds."""
+    return f"{provider}/{version}/{platform.key}"
+
+
+def module_fill(module: ModuleAddress, version: str) -> str:
+    """The name of the lock one module archive's fill (or drop) holds."""
+    return f"module/{module}/{version}"

@@ -1,0 +1,250 @@
+"""The in-memory backend: blobs and index documents in dicts, for fast service tests and as
+the reference the compliance suite holds every backend to. Safe for concurrent tasks on one
+event loop (every change is made between awaits); nothing is shared between processes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import io
+import itertools
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from proxy.core.executors import quick, slow
+from proxy.store.disk_space import DiskSpace
+from proxy.store.file_identity import FileIdentity
+from proxy.store.protocol import BlobInfo, check_key
+
+# Eviction frees down to this share of the limit, as the disk backend does.
+_LOW_WATER = 0.9
+_CHUNK = 256 << 10
+
+
+@dataclass(frozen=True)
+class _Blob:
+    info: BlobInfo
+    data: bytes
+
+
+class MemoryBlob:
+    """A blob opened from memory: the bytes as they were when opened."""
+
+    def __init__(self, blob: _Blob, release: Any) -> None:
+        self._blob = blob
+        self._release = release
+        self._closed = False
+
+    @property
+    def info(self) -> BlobInfo:
+        """As opened."""
+        return self._blob.info
+
+    @property
+    def local_path(self) -> Path | None:
+        """Not a file: stream it."""
+        return None
+
+    def file(self) -> BinaryIO:
+        """The bytes as a seekable file."""
+        return io.BytesIO(self._blob.data)
+
+    def current_identity(self) -> FileIdentity:
+        """Blobs in memory never change in place."""
+        return self._blob.info.identity
+
+    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+        """Bytes start..end, in pieces."""
+        stop = len(self._blob.data) if end is None else min(end, len(self._blob.data))
+        view = memoryview(self._blob.data)
+        for offset in range(max(0, start), stop, _CHUNK):
+            yield bytes(view[offset:min(stop, offset + _CHUNK)])
+
+    def close(self) -> None:
+        """No longer read: eviction may take it."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+
+class MemoryBlobStore:
+    """Blobs in a dict, least recently used first, within max_size bytes. Spools and work
+    directories are local files under a private temp directory (removed by close)."""
+
+    def __init__(self, max_size: int | None = None, scratch: Path | None = None,
+                 disk: DiskSpace | None = None) -> None:
+        self.scratch = Path(tempfile.mkdtemp(prefix="memory-store-", dir=scratch))
+        self._disk = disk or DiskSpace(self.scratch)
+        self.max_size = max_size
+        self._blobs: OrderedDict[str, _Blob] = OrderedDict()  # least recently used first
+        self._reading: Counter[str] = Counter()
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._generation = itertools.count(1)
+        self.evicted = 0
+
+    def close(self) -> None:
+        """Forget everything and remove the scratch directory."""
+        self._blobs.clear()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    @property
+    def disk(self) -> DiskSpace:
+        """The disk the scratch directory is on."""
+        return self._disk
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held."""
+        return sum(blob.info.size for blob in self._blobs.values())
+
+    @property
+    def file_count(self) -> int:
+        """Blobs held."""
+        return len(self._blobs)
+
+    def spool_path(self) -> Path:
+        """A fresh scratch file name."""
+        return self.scratch / f"{uuid.uuid4().hex}.part"
+
+    def work_dir(self) -> Path:
+        """A fresh scratch directory."""
+        return Path(tempfile.mkdtemp(prefix="work-", dir=self.scratch))
+
+    async def publish(self, key: str, spool: Path) -> BlobInfo:
+        """Read the spool into memory, then make it the blob at key."""
+        check_key(key)
+        try:
+            data = await slow(spool.read_bytes)
+        finally:
+            await quick(spool.unlink, True)
+        return self._place(key, data)
+
+    async def put(self, key: str, chunks: AsyncIterable[bytes]) -> BlobInfo:
+        """Collect the stream, then make it the blob at key (nothing is visible before)."""
+        check_key(key)
+        parts = [chunk async for chunk in chunks]
+        return self._place(key, b"".join(parts))
+
+    def _place(self, key: str, data: bytes) -> BlobInfo:
+        now = time.time_ns()
+        identity = FileIdentity(0, next(self._generation), len(data), now)
+        info = BlobInfo(key, len(data), now / 1e9, identity)
+        self._blobs.pop(key, None)
+        self._blobs[key] = _Blob(info, data)
+        self._evict(keep=key)
+        return info
+
+    def _evict(self, keep: str) -> None:
+        if self.max_size is None or self.used_bytes <= self.max_size:
+            return
+        target = int(self.max_size * _LOW_WATER)
+        total = self.used_bytes
+        for key in list(self._blobs):
+            if total <= target:
+                break
+            if key == keep or self._reading[key]:
+                continue
+            total -= self._blobs.pop(key).info.size
+            self.evicted += 1
+
+    async def stat(self, key: str) -> BlobInfo | None:
+        """The blob at key, if any."""
+        check_key(key)
+        blob = self._blobs.get(key)
+        return None if blob is None else blob.info
+
+    async def open(self, key: str) -> MemoryBlob | None:
+        """Open the blob at key (a use: it moves up the LRU)."""
+        check_key(key)
+        blob = self._blobs.get(key)
+        if blob is None:
+            return None
+        self._blobs.move_to_end(key)
+        self._reading[key] += 1
+
+        def release() -> None:
+            self._reading[key] -= 1
+            if not self._reading[key]:
+                del self._reading[key]
+
+        return MemoryBlob(blob, release)
+
+    async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:
+        """Delete the blob at key if it still has identity (None: whatever is there)."""
+        check_key(key)
+        blob = self._blobs.get(key)
+        if blob is None or (identity is not None and blob.info.identity != identity):
+            return False
+        del self._blobs[key]
+        return True
+
+    async def list(self, prefix: str) -> list[BlobInfo]:
+        """Every blob under prefix, in key order."""
+        return [self._blobs[key].info for key in sorted(self._blobs) if key.startswith(prefix)]
+
+    @asynccontextmanager
+    async def fill_lock(self, name: str) -> AsyncIterator[object]:
+        """One holder per name at a time (within this process: all there is)."""
+        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield lock
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
+
+    def reread_usage(self) -> None:
+        """Nothing else records usage."""
+
+    def health_problem(self) -> str | None:
+        """A scratch disk that filled up (and has no room yet)."""
+        if not os.access(self.scratch, os.W_OK):
+            return f"scratch directory {self.scratch} is not writable"
+        return self._disk.problem()
+
+
+class MemoryIndex:
+    """Index documents in a dict (deep copies in and out, as a real store would give)."""
+
+    def __init__(self) -> None:
+        self._documents: dict[str, dict[str, Any]] = {}
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        """The document at key, or None."""
+        value = self._documents.get(key)
+        return None if value is None else copy.deepcopy(value)
+
+    async def set(self, key: str, value: dict[str, Any]) -> None:
+        """Store (replace) the document at key."""
+        self._documents[key] = copy.deepcopy(value)
+
+    async def create(self, key: str, value: dict[str, Any]) -> bool:
+        """Store the document only if key holds none."""
+        if key in self._documents:
+            return False
+        self._documents[key] = copy.deepcopy(value)
+        return True
+
+    async def delete(self, key: str) -> None:
+        """Remove the document at key, if any."""
+        self._documents.pop(key, None)
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Every key under prefix, in order."""
+        return sorted(key for key in self._documents if key.startswith(prefix))
+
+    def close(self) -> None:
+        """Nothing to release."""

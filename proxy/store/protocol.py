@@ -1,0 +1,179 @@
+"""The storage seam: what the services need from a store of blobs (verified archives) and from
+an index of small documents (verified facts, version lists, leases). Keys are `/`-separated
+names that proxy.store.layout builds; a backend maps them to files, dict entries or object
+keys. Backends: proxy.store.disk (files + diskcache), proxy.store.memory (tests); every
+backend passes tests/test_store_compliance.py.
+
+A fill writes a local spool first (clients follow it while it grows, see proxy.store.spool),
+verifies it, then `publish`es it: atomically, so that no reader ever sees part of a blob. The
+disk backend renames the spool into place (no copy); others read or upload it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from proxy.store.disk_space import DiskSpace
+from proxy.store.file_identity import FileIdentity
+
+# A key segment: no empty, `.` or `..` segment, no backslash, no NUL, no control character.
+_UNSAFE_SEGMENT = re.compile(r"\.{0,2}|.*[\\\x00-\x1f].*", re.DOTALL)
+
+
+def check_key(key: str) -> str:
+    """key, if it is a safe store key (ValueError if not): relative, `/`-separated, and no
+    segment that a file system or an object store would read as something else."""
+    if not key or any(_UNSAFE_SEGMENT.fullmatch(part) for part in key.split("/")):
+        raise ValueError(f"unsafe store key {key!r}")
+    return key
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A stored blob as a listing or a stat sees it."""
+
+    key: str
+    size: int
+    mtime: float  # when its bytes were written (epoch seconds)
+    # Changes whenever the bytes are replaced (disk: device, inode, size, mtime; an object
+    # store: derived from its ETag): index records keep it to tell "the blob we checked".
+    identity: FileIdentity
+
+
+class OpenBlob(Protocol):
+    """A blob opened for reading: it reads whole, and eviction leaves it alone, until closed."""
+
+    @property
+    def info(self) -> BlobInfo:
+        """Its key, size, mtime and identity as opened."""
+        ...
+
+    @property
+    def local_path(self) -> Path | None:
+        """A path the operating system opens this very file by (sendfile fast path); None
+        when the blob is not a local file (stream it with `chunks`)."""
+        ...
+
+    def file(self) -> BinaryIO:
+        """The bytes as a seekable file (blocking reads: use it off the event loop; a remote
+        backend may fetch the whole blob first)."""
+        ...
+
+    def current_identity(self) -> FileIdentity:
+        """The identity of the bytes now (blocking): differs from info.identity if the file
+        was written in place since it was opened (disk only; blobs elsewhere are immutable)."""
+        ...
+
+    def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+        """Bytes start..end (end exclusive; None: to the end, past the end: clamped)."""
+        ...
+
+    def close(self) -> None:
+        """Release it (blocking but quick)."""
+        ...
+
+
+class BlobStore(Protocol):
+    """Immutable blobs by key: published whole or not at all, evicted least recently used."""
+
+    @property
+    def disk(self) -> DiskSpace:
+        """The local disk that spools and work directories are on."""
+        ...
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the store holds (the latest view; see reread_usage)."""
+        ...
+
+    @property
+    def file_count(self) -> int:
+        """Blobs the store holds (the latest view)."""
+        ...
+
+    def spool_path(self) -> Path:
+        """A fresh local file name for a fill to write to before publishing it (not created;
+        left-overs of a crash are swept at the next start)."""
+        ...
+
+    def work_dir(self) -> Path:
+        """A fresh, empty local work directory; the caller removes it."""
+        ...
+
+    async def publish(self, key: str, spool: Path) -> BlobInfo:
+        """Make the finished spool the blob at key, atomically (replacing any older one);
+        the spool is consumed. Keeps the store within its size limit afterwards."""
+        ...
+
+    async def put(self, key: str, chunks: AsyncIterable[bytes]) -> BlobInfo:
+        """Store a stream as the blob at key, atomically: a put that fails or is cancelled
+        leaves nothing visible."""
+        ...
+
+    async def stat(self, key: str) -> BlobInfo | None:
+        """The blob at key, without opening it; None if there is none."""
+        ...
+
+    async def open(self, key: str) -> OpenBlob | None:
+        """Open the blob at key to read it, recorded as a use; None if there is none."""
+        ...
+
+    async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:
+        """Delete the blob at key, only if it still has identity (None: whatever is there);
+        returns whether a blob went."""
+        ...
+
+    async def list(self, prefix: str) -> list[BlobInfo]:
+        """Every blob whose key starts with prefix, in key order."""
+        ...
+
+    def fill_lock(self, name: str) -> AbstractAsyncContextManager[object]:
+        """An exclusive lock on one fill (by name), shared by every process and replica that
+        uses the store: one fill of an artifact at a time."""
+        ...
+
+    def reread_usage(self) -> None:
+        """Refresh used_bytes and file_count from what every user of the store recorded
+        (blocking, briefly)."""
+        ...
+
+    def health_problem(self) -> str | None:
+        """Why the store cannot take writes now (blocking), or None."""
+        ...
+
+
+class MetadataIndex(Protocol):
+    """Small JSON-able documents by key: verified facts, version lists, leases."""
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        """The document at key, or None."""
+        ...
+
+    async def set(self, key: str, value: dict[str, Any]) -> None:
+        """Store (replace) the document at key."""
+        ...
+
+    async def create(self, key: str, value: dict[str, Any]) -> bool:
+        """Store the document only if key holds none, atomically (leases); returns whether
+        this call created it."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove the document at key, if any."""
+        ...
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Every key that starts with prefix, in order."""
+        ...
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The two halves a backend provides, as the services receive them."""
+
+    blobs: BlobStore
+    index: MetadataIndex
