@@ -10,14 +10,13 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.config.filters import Filters
-from proxy.core.executors import quick, serving, slow
+from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
-from proxy.store.archives import ArchiveStore
-from proxy.store.disk_space import DiskSpace
-from proxy.store.index import MetadataCache
+from proxy.store.disk import open_disk_storage
+from proxy.store.protocol import StorageOpener
 from proxy.tls.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
@@ -44,8 +43,10 @@ from proxy.web.url_signing import UrlSigner
 log = logging.getLogger(__name__)
 
 
-def create_app(config: Config) -> web.Application:
-    """Build the application; long-lived resources open and close with it (cleanup_ctx)."""
+def create_app(config: Config,
+               open_storage: StorageOpener = open_disk_storage) -> web.Application:
+    """Build the application; long-lived resources open and close with it (cleanup_ctx).
+    Storage: the cache directory, unless open_storage opens another backend."""
     metrics = Metrics()
     app = web.Application(middlewares=[error_middleware(metrics), auth_middleware(config.auth)])
     app[CONFIG_KEY] = config
@@ -59,7 +60,7 @@ def create_app(config: Config) -> web.Application:
         # Each resource is closed by the stack as soon as it exists: a start that fails
         # part-way (an unusable signing key, a full disk) leaves nothing open behind it.
         async with contextlib.AsyncExitStack() as opened:
-            await _open_resources(app, config, metrics, opened)
+            await _open_resources(app, config, metrics, opened, open_storage)
             yield
 
     # Opened first, closed last (cleanup_ctx unwinds in reverse): every resource's blocking
@@ -70,29 +71,15 @@ def create_app(config: Config) -> web.Application:
 
 
 async def _open_resources(app: web.Application, config: Config, metrics: Metrics,
-                          opened: contextlib.AsyncExitStack) -> None:
+                          opened: contextlib.AsyncExitStack,
+                          open_storage: StorageOpener) -> None:
     """Build the long-lived objects into app, their closing pushed onto `opened`."""
     if config.auth.enabled:  # first: a key that cannot be used stops the start at once
         key = await quick(load_signing_key, StatePaths(config.server.state_dir).signing_key)
         app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
     cache_dir = config.cache.dir
-    disk = DiskSpace(cache_dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
-    archives = ArchiveStore(cache_dir, config.cache.max_size,
-                            on_evict=lambda count, size: metrics.evictions.inc(count),
-                            disk=disk)
-    opened.callback(archives.close)
-    swept = await slow(archives.sweep_temp)
-    if swept:
-        log.info("removed %d unfinished download(s) left by an earlier run", swept)
-    used = await slow(archives.measure)
-    metrics.cache_bytes.set_function(lambda: archives.used_bytes)
-    metrics.cache_files.set_function(lambda: archives.file_count)
-    metrics.cache_max_bytes.set(config.cache.max_size or 0)
-    log.info("cache holds %d bytes of packages and modules", used)
-    if config.cache.max_size is not None and used > config.cache.max_size:
-        await archives.evict()
-    cache = MetadataCache(cache_dir / "index", disk)
-    opened.callback(cache.close)
+    storage = await open_storage(config.cache, metrics, opened)
+    archives, cache = storage.blobs, storage.index
     egress = EgressPolicy.from_config(config.upstream)
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)

@@ -18,8 +18,10 @@ import pytest
 
 import proxy.verification.stored_hashes
 from proxy.core.errors import IntegrityError
-from proxy.store.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.store.archives import ArchiveStore, FillLock
+from proxy.store.disk import DiskBlobStore
 from proxy.store.file_identity import identity_of
+from proxy.store.spool import GrowingFile, store_package
 from proxy.store.usage import UsageLedger
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.stored_hashes import DamagedFile, h1_of_stored, verify_stored
@@ -32,6 +34,7 @@ def leftovers(cache: Path) -> list[Path]:
 
 
 PARTS = ["archives", "registry.terraform.io", "hashicorp", "x", "1.0.0", "p.zip"]
+KEY = "/".join(PARTS)
 
 
 async def chunks(data: bytes, fail_after: int | None = None) -> AsyncIterator[bytes]:
@@ -43,10 +46,11 @@ async def chunks(data: bytes, fail_after: int | None = None) -> AsyncIterator[by
 
 async def test_store_publishes_verified_file(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
-    stored = await store.store(PARTS, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
-    assert stored.path.read_bytes() == ZIP
+    blobs = DiskBlobStore(store)
+    stored = await store_package(blobs, KEY, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
+    assert blobs.path_of(stored.key).read_bytes() == ZIP
     assert stored.size == len(ZIP) and stored.sha256 == hashlib.sha256(ZIP).hexdigest()
-    assert await store.lookup(PARTS) == stored.path
+    assert await store.lookup(PARTS) == blobs.path_of(KEY)
     assert leftovers(tmp_path) == []
 
 
@@ -61,7 +65,7 @@ async def test_failed_store_publishes_nothing(tmp_path: Path, data: bytes,
     store = ArchiveStore(tmp_path)
     expected = hashlib.sha256(data if data != ZIP or fail_after else b"other").hexdigest()
     with pytest.raises(error):
-        await store.store(PARTS, chunks(data, fail_after), expected)
+        await store_package(DiskBlobStore(store), KEY, chunks(data, fail_after), expected)
     assert await store.lookup(PARTS) is None
     assert leftovers(tmp_path) == []
 
@@ -223,8 +227,9 @@ def test_per_artifact_lock_files_of_earlier_versions_are_swept(tmp_path: Path) -
 
 async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
+    blobs = DiskBlobStore(store)
     data = ZIP
-    growing = GrowingFile(store.temp_file(), len(data))
+    growing = GrowingFile(blobs, store.temp_file(), len(data))
     growing.temp.touch()
     gate = asyncio.Event()
 
@@ -233,8 +238,8 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
         await gate.wait()
         yield data[3000:]
 
-    fill = asyncio.create_task(store.store(PARTS, slow_chunks(),
-                                           hashlib.sha256(data).hexdigest(), growing))
+    fill = asyncio.create_task(store_package(blobs, KEY, slow_chunks(),
+                                             hashlib.sha256(data).hexdigest(), growing))
     reader = growing.chunks()
     first = await reader.__anext__()
     assert data.startswith(first) and len(first) < 3000  # the last byte is held back
@@ -242,11 +247,11 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
     rest = b"".join([chunk async for chunk in reader])
     assert first + rest == data
     await fill
-    assert growing.final is not None and growing.final.read_bytes() == data
+    assert growing.final is not None and blobs.path_of(growing.final.key).read_bytes() == data
 
-    bad = GrowingFile(store.temp_file(), len(data))
+    bad = GrowingFile(blobs, store.temp_file(), len(data))
     bad.temp.touch()
-    failing = asyncio.create_task(store.store(PARTS, chunks(data), "0" * 64, bad))
+    failing = asyncio.create_task(store_package(blobs, KEY, chunks(data), "0" * 64, bad))
     with pytest.raises(IntegrityError):
         async for _chunk in bad.chunks():
             pass
@@ -271,72 +276,75 @@ async def test_fill_lock_serializes_fills_across_holders(tmp_path: Path) -> None
 
 
 async def test_h1_of_stored_hashes_only_the_signed_bytes(tmp_path: Path) -> None:
-    store = ArchiveStore(tmp_path)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
     signed = hashlib.sha256(ZIP).hexdigest()
-    stored = await store.store(PARTS, chunks(ZIP), signed)
-    assert await h1_of_stored(stored.path, signed) == h1_of_zip(stored.path)
+    await store_package(blobs, KEY, chunks(ZIP), signed)
+    path = blobs.path_of(KEY)
+    assert await h1_of_stored(blobs, KEY, signed) == h1_of_zip(path)
 
     # Still a zip, same size, other bytes: refused, naming the file that was read.
-    stored.path.write_bytes(ZIP.replace(b"provider-x", b"provider-y"))
+    path.write_bytes(ZIP.replace(b"provider-x", b"provider-y"))
     with pytest.raises(DamagedFile) as damage:
-        await h1_of_stored(stored.path, signed)
+        await h1_of_stored(blobs, KEY, signed)
     assert damage.value.kind == "stored" and signed in damage.value.message
-    info = stored.path.stat()
+    info = path.stat()
     assert damage.value.identity == identity_of(info)
 
-    stored.path.unlink()  # evicted meanwhile: nothing to hash, nothing to drop
-    assert await h1_of_stored(stored.path, signed) is None
+    path.unlink()  # evicted meanwhile: nothing to hash, nothing to drop
+    assert await h1_of_stored(blobs, KEY, signed) is None
 
 
 async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = ArchiveStore(tmp_path)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
     signed = hashlib.sha256(ZIP).hexdigest()
-    stored = await store.store(PARTS, chunks(ZIP), signed)
-    assert stored.identity == identity_of(stored.path.stat())  # publishing kept it
-    assert await verify_stored(stored.path, signed) == stored.identity
+    stored = await store_package(blobs, KEY, chunks(ZIP), signed)
+    path = blobs.path_of(KEY)
+    assert stored.identity == identity_of(path.stat())  # publishing kept it
+    assert await verify_stored(blobs, KEY, signed) == stored.identity
 
     # Written to while it was read: what was hashed may not be what is there now.
     real = proxy.verification.stored_hashes.sha256_of_file
 
     def hash_then_write(handle: BinaryIO) -> str:
         digest = real(handle)
-        with open(stored.path, "ab") as writer:
+        with open(path, "ab") as writer:
             writer.write(b"x")
         return digest
 
     monkeypatch.setattr(proxy.verification.stored_hashes, "sha256_of_file", hash_then_write)
     with pytest.raises(DamagedFile, match="changed while it was checked"):
-        await verify_stored(stored.path, signed)
+        await verify_stored(blobs, KEY, signed)
     monkeypatch.undo()
     with pytest.raises(DamagedFile, match=f"not the checksum {signed}"):
-        await verify_stored(stored.path, signed)
-    stored.path.unlink()
-    assert await verify_stored(stored.path, signed) is None
+        await verify_stored(blobs, KEY, signed)
+    path.unlink()
+    assert await verify_stored(blobs, KEY, signed) is None
 
 
 async def test_signed_zip_that_cannot_be_hashed_is_kept_without_h1(tmp_path: Path) -> None:
     # Upstream signed these very bytes: fetching them again would not help.
     middle = len(ZIP) // 2
     broken = ZIP[:middle] + bytes([ZIP[middle] ^ 0xFF]) + ZIP[middle + 1:]
-    path = tmp_path / "signed.zip"
-    path.write_bytes(broken)
-    assert await h1_of_stored(path, hashlib.sha256(broken).hexdigest()) is None
-    assert path.read_bytes() == broken
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    await blobs.put(KEY, chunks(broken))
+    assert await h1_of_stored(blobs, KEY, hashlib.sha256(broken).hexdigest()) is None
+    assert blobs.path_of(KEY).read_bytes() == broken
 
 
 async def test_discard_spares_a_file_that_replaced_the_damaged_one(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
-    first = await store.store(PARTS, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
-    read = identity_of(first.path.stat())
+    await store_package(DiskBlobStore(store), KEY, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
+    first = store.path_for(PARTS)
+    read = identity_of(first.stat())
     fresh = store.temp_file()
     fresh.write_bytes(ZIP)
     await store.publish(fresh, PARTS)  # a fill replaced it after it was read
-    assert not await store.discard(first.path, read)
-    assert first.path.exists() and store.used_bytes == len(ZIP)
-    now = first.path.stat()
-    assert await store.discard(first.path, identity_of(now))
-    assert not first.path.exists()
+    assert not await store.discard(first, read)
+    assert first.exists() and store.used_bytes == len(ZIP)
+    now = first.stat()
+    assert await store.discard(first, identity_of(now))
+    assert not first.exists()
     assert (store.used_bytes, store.file_count) == (0, 0)
 
 
@@ -354,12 +362,12 @@ async def test_short_writes_are_completed_not_skipped(
         return open(file, mode, *args, **kwargs)
 
     monkeypatch.setattr(aiofiles.threadpool, "sync_open", sync_open)
-    store = ArchiveStore(tmp_path)
-    growing = GrowingFile(store.temp_file(), len(ZIP))
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    growing = GrowingFile(blobs, blobs.spool_path(), len(ZIP))
     growing.temp.touch()
-    fill = asyncio.create_task(store.store(PARTS, chunks(ZIP),
-                                           hashlib.sha256(ZIP).hexdigest(), growing))
+    fill = asyncio.create_task(store_package(blobs, KEY, chunks(ZIP),
+                                             hashlib.sha256(ZIP).hexdigest(), growing))
     followed = b"".join([chunk async for chunk in growing.chunks()])
     stored = await fill
     assert followed == ZIP
-    assert stored.path.read_bytes() == ZIP
+    assert blobs.path_of(stored.key).read_bytes() == ZIP

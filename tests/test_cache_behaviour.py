@@ -25,7 +25,9 @@ from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.store.archives import ArchiveStore
 from proxy.store.index import MetadataCache
+from proxy.store.protocol import BlobInfo
 from proxy.verification.packages import VerifiedPackages
+from proxy.web.routes import CONFIG_KEY
 from tests.support.fake_registry import FakeRegistry
 from tests.test_mirror import BASE, ZIP, metric, zip_h1
 
@@ -111,9 +113,10 @@ async def test_file_evicted_right_after_it_was_found_is_fetched_again(
 
     async def evicted_once_found(self: Any, *args: Any) -> Any:
         found = await find(self, *args)
-        if isinstance(found, Path) and not evicted:
-            found.unlink()
-            evicted.append(found)
+        if isinstance(found, BlobInfo) and not evicted:
+            stored = client.server.app[CONFIG_KEY].cache.dir / found.key  # the disk backend's
+            stored.unlink()
+            evicted.append(stored)
         return found
 
     monkeypatch.setattr(service, "archive", evicted_once_found)

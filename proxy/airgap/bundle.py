@@ -57,8 +57,9 @@ from proxy.config.settings import Config
 from proxy.core.errors import IntegrityError
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from proxy.modules.packing import read_packed
-from proxy.protocols.module_registry import module_archive_key, recorded_sha256
-from proxy.store.archives import ArchiveStore
+from proxy.protocols.module_registry import recorded_sha256
+from proxy.store import layout
+from proxy.store.disk import DiskBlobStore
 from proxy.upstream.documents import parse_sha256sums, without_upstream_urls
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
@@ -96,27 +97,25 @@ def _index(config: Config) -> diskcache.Cache:
 
 # --- export ----------------------------------------------------------------------------
 
-def _stored_packages(index: diskcache.Cache, store: ArchiveStore
+def _stored_packages(index: diskcache.Cache, store: DiskBlobStore
                      ) -> Iterator[tuple[ProviderAddress, str, Platform, dict[str, Any], Path]]:
     for key in index.iterkeys():
-        if not isinstance(key, str) or not key.startswith("package/"):
+        named = layout.parse_package_record(key) if isinstance(key, str) else None
+        if named is None:
             continue
-        _, host, namespace, type_, version, platform_key = key.split("/")
+        provider, version, platform = named
         record = index.get(key)
-        provider = ProviderAddress(host, namespace, type_)
-        platform = Platform.from_key(platform_key)
-        path = store.path_for(["archives", host, namespace, type_, version,
-                               provider.archive_filename(version, platform)])
+        path = store.path_of(layout.provider_archive(provider, version, platform))
         if isinstance(record, dict) and record.get("size") and record.get("sums_id") \
                 and path.is_file() and path.stat().st_size == record["size"]:
             yield provider, version, platform, record, path
 
 
-def _stored_modules(store: ArchiveStore) -> Iterator[tuple[ModuleAddress, str, Path]]:
-    root = store.cache_dir / "modules"
-    for path in sorted(root.glob("*/*/*/*/*.tar.gz")):
-        host, namespace, name, system = path.relative_to(root).parts[:4]
-        yield ModuleAddress(host, namespace, name, system), path.name[:-7], path
+def _stored_modules(store: DiskBlobStore) -> Iterator[tuple[ModuleAddress, str, Path]]:
+    for info in store.listed(layout.module_archive_prefix()):
+        named = layout.parse_module_archive(info.key)
+        if named is not None:
+            yield *named, store.path_of(info.key)
 
 
 def _selected(requirements: list[Requirement] | None, address: object, version: str,
@@ -137,7 +136,7 @@ def export_bundle(config: Config, output: Path,
                   signer: ManifestSigner | None = None) -> Counts:
     """Write the cache (or what requirements select from it) as a tar bundle, its manifest
     signed by signer (None: unsigned)."""
-    store = ArchiveStore(config.cache.dir)
+    store = DiskBlobStore.at(config.cache.dir)
     index = _index(config)
     try:
         packages = list(_stored_packages(index, store))
@@ -179,7 +178,7 @@ def export_bundle(config: Config, output: Path,
             for provider, version, platform, record, path in packages:
                 if not _selected(requirements, provider, version, held):
                     continue
-                sums = index.get(f"sums/{provider}/{version}/{record['sums_id']}")
+                sums = index.get(layout.sums_record(provider, version, record["sums_id"]))
                 if not isinstance(sums, dict):
                     continue
                 base = f"providers/{provider}/{version}"
@@ -200,7 +199,7 @@ def export_bundle(config: Config, output: Path,
                     add(entry["sums"], data=bytes(sums["sums"]))
                     add(entry["signature"], data=bytes(sums["signature"]))
                 manifest["providers"].append(entry)
-                versions = index.get(f"versions/{provider}")
+                versions = index.get(layout.version_list_record(provider))
                 if isinstance(versions, dict):
                     manifest["versions"][str(provider)] = [
                         v for v in versions["value"] if v["version"] in held[str(provider)]]
@@ -208,7 +207,8 @@ def export_bundle(config: Config, output: Path,
                 if not _selected(requirements, module, version, held):
                     continue
                 member = f"modules/{module}/{path.name}"
-                recorded = recorded_sha256(index.get(module_archive_key(module, version)))
+                recorded = recorded_sha256(index.get(layout.module_archive_record(module,
+                                                                                  version)))
                 if recorded is None:  # stored before sha256s were recorded
                     _require_intact_module(module, version, path)
                 add(member, path=path, stored_with=recorded, what=f"module {module} {version}")
@@ -325,8 +325,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
     check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
                "the bundle's members")
     with cache_work(config.cache.dir) as store:
-        staging = store.tmp / "import"
-        staging.mkdir()
+        staging = store.work_dir()
         staged = stage(tar, members, listed, staging)
         packages = [(entry, _verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
@@ -336,7 +335,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
             old_modules = _plan_modules(changes, index, store, staged, listed,
                                         contents.modules)
             for version_list in contents.versions:
-                plan_list(changes, index, f"versions/{version_list.provider}",
+                plan_list(changes, index, layout.version_list_record(version_list.provider),
                           list(version_list.entries), lambda v: v["version"])
         apply_changes(changes)
         measure(store, changes)
@@ -344,7 +343,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                   signed_by=signed_by, present=old_packages + old_modules)
 
 
-def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
+def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: DiskBlobStore,
                    staged: dict[str, Path],
                    packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
     """Plan the packages' files and records; returns how many the cache already holds. What
@@ -365,7 +364,7 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
             changes.set_record(entry.sums_key, {
                 "sums": sums, "signature": staged[entry.signature].read_bytes(),
                 "signed_by": "", "url": ""})
-        final = store.path_for(entry.archive_parts)
+        final = store.path_of(entry.archive_key)
         if isinstance(existing, dict) and regular_sha256(final) == package.shasum:
             present += 1
             continue
@@ -374,7 +373,7 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
     return present
 
 
-def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
+def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: DiskBlobStore,
                   staged: dict[str, Path], listed: dict[str, tuple[int, str]],
                   modules: Sequence[ModuleEntry]) -> int:
     """Plan the module archives, the sha256 each is served and exported against, and their
@@ -383,7 +382,7 @@ def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: A
     present = 0
     for entry in modules:
         size, sha256 = listed[entry.archive]
-        final = store.path_for(entry.archive_parts)
+        final = store.path_of(entry.archive_key)
         held = regular_sha256(final)
         if held == sha256:
             present += 1
@@ -392,11 +391,12 @@ def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: A
                               "archive under this name")
         else:
             changes.put_file(staged[entry.archive], final)
-        record_key = module_archive_key(entry.module, entry.version)
+        record_key = layout.module_archive_record(entry.module, entry.version)
         if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
             # No identity yet: the first hit reads the archive once against this sha256.
             changes.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
-        plan_list(changes, index, f"module-versions/{entry.module}", [entry.version], str)
+        plan_list(changes, index, layout.module_version_list_record(entry.module),
+                  [entry.version], str)
     return present
 
 

@@ -19,6 +19,7 @@ from proxy.core.models import (
     parse_module_version,
     parse_version,
 )
+from proxy.store import layout
 
 _SHASUM = re.compile(r"[0-9a-f]{64}")
 _SUMS_ID = re.compile(r"[0-9a-f]{32}")
@@ -62,18 +63,17 @@ class ProviderEntry:
     @property
     def record_key(self) -> str:
         """The index key of the package's verified facts."""
-        return f"package/{self.provider}/{self.version}/{self.platform.key}"
+        return layout.package_record(self.provider, self.version, self.platform)
 
     @property
     def sums_key(self) -> str:
         """The index key of its SHA256SUMS and signature."""
-        return f"sums/{self.provider}/{self.version}/{self.sums_id}"
+        return layout.sums_record(self.provider, self.version, self.sums_id)
 
     @property
-    def archive_parts(self) -> list[str]:
-        """Where the zip is stored."""
-        return ["archives", self.provider.hostname, self.provider.namespace,
-                self.provider.type, self.version, self.filename]
+    def archive_key(self) -> str:
+        """The store key of the zip."""
+        return layout.provider_archive(self.provider, self.version, self.platform)
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,9 @@ class ModuleEntry:
         return f"{self.module} {self.version}"
 
     @property
-    def archive_parts(self) -> list[str]:
-        """Where the archive is stored."""
-        return ["modules", self.module.hostname, self.module.namespace, self.module.name,
-                self.module.system, f"{self.version}.tar.gz"]
+    def archive_key(self) -> str:
+        """The store key of the archive."""
+        return layout.module_archive(self.module, self.version)
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def parse_contents(manifest: dict[str, Any], listed: Collection[str]) -> BundleC
     parsed_modules = [_module(item, f"modules[{i}]", roles) for i, item in enumerate(modules)]
     roles.all_used()
     _refuse_repeats([(p.record_key, str(p)) for p in parsed_providers]
-                    + [("/".join(m.archive_parts), str(m)) for m in parsed_modules])
+                    + [(m.archive_key, str(m)) for m in parsed_modules])
     held = {p.provider for p in parsed_providers}
     lists: dict[ProviderAddress, VersionList] = {}
     for address, entries in versions.items():

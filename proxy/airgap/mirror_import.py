@@ -30,6 +30,7 @@ from proxy.airgap.publish import (
 from proxy.config.settings import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform, ProviderAddress
+from proxy.store import layout
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.packages import VerifiedPackage
 
@@ -60,7 +61,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                 except (KeyError, TypeError):
                     raise BundleError(f"{document_path}: no hashes for {platform.key}") \
                         from None
-                copy = store.temp_file()  # check the copy that will be stored, not the source
+                copy = store.spool_path()  # check the copy that will be stored, not the source
                 _copy_regular(zip_path, copy, config.upstream.max_archive_size)
                 try:
                     sha, h1 = file_sha256(copy), h1_of_zip(copy)
@@ -69,14 +70,13 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                 if h1 not in hashes and f"zh:{sha}" not in hashes:
                     raise BundleError(f"{zip_path}: matches none of the hashes in "
                                       f"{document_path.name}")
-                key = f"package/{provider}/{version}/{platform.key}"
+                key = layout.package_record(provider, version, platform)
                 existing = index.get(key) if index is not None else None
                 if isinstance(existing, dict) and existing.get("shasum") != sha:
                     raise BundleError(f"{zip_path}: the cache holds a different package "
                                       "under this name")
                 filename = provider.archive_filename(version, platform)
-                final = store.path_for(["archives", provider.hostname, provider.namespace,
-                                        provider.type, version, filename])
+                final = store.path_of(layout.provider_archive(provider, version, platform))
                 if isinstance(existing, dict) and regular_sha256(final) == sha:
                     present += 1  # the same package, maybe with more facts: keep those
                     continue
@@ -84,7 +84,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                 if not isinstance(existing, dict):
                     changes.set_record(key, asdict(VerifiedPackage(
                         filename, sha, h1, copy.stat().st_size)))
-                plan_list(changes, index, f"versions/{provider}", [
+                plan_list(changes, index, layout.version_list_record(provider), [
                     {"version": version, "protocols": [], "platforms": [platform.key]}],
                     lambda v: v["version"])
         apply_changes(changes)

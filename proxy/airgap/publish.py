@@ -22,7 +22,7 @@ from typing import Any
 import diskcache
 
 from proxy.airgap.manifest import BundleError
-from proxy.store.archives import ArchiveStore
+from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_space import free_bytes
 
 # diskcache's own files in the index directory; value files are anything else.
@@ -151,7 +151,7 @@ def apply_changes(changes: CacheChanges) -> None:
 
 
 @contextmanager
-def cache_work(cache_dir: Path) -> Iterator[ArchiveStore]:
+def cache_work(cache_dir: Path) -> Iterator[DiskBlobStore]:
     """The cache's file store, for an import; when the import fails, the directories that
     opening it made (the cache's own, its temp area) are removed again."""
     made = []
@@ -159,7 +159,7 @@ def cache_work(cache_dir: Path) -> Iterator[ArchiveStore]:
     while not directory.exists():
         made.append(directory)
         directory = directory.parent
-    store = ArchiveStore(cache_dir)
+    store = DiskBlobStore.at(cache_dir)
     try:
         yield store
     except BaseException:
@@ -194,14 +194,14 @@ def existing_index(cache_dir: Path) -> Iterator[diskcache.Cache | None]:
         index.close()
 
 
-def measure(store: ArchiveStore, changes: CacheChanges) -> None:
+def measure(store: DiskBlobStore, changes: CacheChanges) -> None:
     """Count the cache's files again after an import that added some, so that running
     proxies hold them against cache.max_size. Best effort: the import is done, and they
     rescan anyway."""
     if not changes.adds_files:
         return
     try:
-        store.measure()
+        store.files.measure()
     except OSError as exc:
         log.warning("could not record the cache's new size (%s); running proxies count it "
                     "at their next rescan", exc.strerror or exc)

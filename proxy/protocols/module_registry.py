@@ -5,7 +5,7 @@ Operations: list_versions, download (answered from the version list alone, at on
 give it 10 s), archive (fetch the source on a miss: https archive or git clone, apply the
 subdirectory, repack as .tar.gz, store; the slow part, on a request clients do not time out).
 Clients never see upstream's location. Each archive's sha256 is recorded when it is packed:
-a hit on a file written to since is checked against it first (see proxy.store.file_identity).
+a hit on a blob written to since is checked against it first (see proxy.store.file_identity).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from proxy.core.redaction import excerpt, mask_secrets
 from proxy.core.singleflight import SingleFlight
 from proxy.modules.packing import pack, read_packed, select_subdir, unpack
 from proxy.modules.sources import ModuleSource, UnsupportedSource, parse_source
-from proxy.store.archives import ArchiveStore, FillLock
+from proxy.store import layout
 from proxy.store.disk_space import is_out_of_space
 from proxy.store.file_identity import (
     FileIdentity,
@@ -34,7 +34,7 @@ from proxy.store.file_identity import (
     identity_to_record,
 )
 from proxy.store.freshness import RefreshingDocuments
-from proxy.store.index import MetadataCache
+from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.upstream import git
 from proxy.upstream.egress_gate import EgressGate
 from proxy.upstream.http import UpstreamHTTP
@@ -44,17 +44,11 @@ from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, adopt_st
 log = logging.getLogger(__name__)
 
 
-def module_archive_key(module: ModuleAddress, version: str) -> str:
-    """The index key of what was recorded about a stored module archive: its sha256, size
-    and identity (`sha256`, `size`, `stored_as`)."""
-    return f"module-archive/{module}/{version}"
-
-
 class ModuleRegistry:
     """Answers module registry requests for every allowed upstream host."""
 
-    def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataCache,
-                 archives: ArchiveStore, config: Config, metrics: Metrics,
+    def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataIndex,
+                 archives: BlobStore, config: Config, metrics: Metrics,
                  git_ca_file: Path | None, git_gate: EgressGate) -> None:
         self._client = client
         self._http = http
@@ -68,9 +62,9 @@ class ModuleRegistry:
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
             encode=list, decode=list, offline=config.upstream.offline)
-        self._archive_fills: SingleFlight[Path] = SingleFlight()
+        self._archive_fills: SingleFlight[BlobInfo] = SingleFlight()
         self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
-        self._checked = CheckedFiles()
+        self._checked = CheckedFiles(archives)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
@@ -99,7 +93,7 @@ class ModuleRegistry:
         gives this request 10 s and a clone may take minutes (the archive GET has no limit).
         """
         self._require_served(module)
-        if await self._archives.lookup(self._archive_parts(module, version)) is not None:
+        if await self._archives.stat(layout.module_archive(module, version)) is not None:
             return
         if self._config.upstream.offline:
             raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
@@ -108,14 +102,14 @@ class ModuleRegistry:
             raise NotFound(f"module {module} has no version {version}")
         self._start_fill(module, version)
 
-    async def archive(self, module: ModuleAddress, version: str) -> Path:
+    async def archive(self, module: ModuleAddress, version: str) -> BlobInfo:
         """The repacked module archive, fetched from its source on a miss (waiting for a
         fetch already under way rather than starting another)."""
         self._require_served(module)
-        path = await self._stored(module, version)
-        if path is not None:
+        stored = await self._stored(module, version)
+        if stored is not None:
             self._metrics.cache_lookups.labels("module", "hit").inc()
-            return path
+            return stored
         self._metrics.cache_lookups.labels("module", "miss").inc()
         # Shielded: a client that hangs up does not cancel a fill others wait for.
         return await asyncio.shield(self._start_fill(module, version))
@@ -124,59 +118,55 @@ class ModuleRegistry:
 
     async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
         return await self._version_lists.get(
-            f"module-versions/{module}", lambda: self._client.list_versions(module),
+            layout.module_version_list_record(module), lambda: self._client.list_versions(module),
             knows=None if wanted is None else (lambda versions: wanted in versions))
 
     # --- archives ------------------------------------------------------------------------
 
-    @staticmethod
-    def _archive_parts(module: ModuleAddress, version: str) -> list[str]:
-        return ["modules", module.hostname, module.namespace, module.name, module.system,
-                f"{version}.tar.gz"]
-
     async def _stored(self, module: ModuleAddress, version: str,
-                      check: bool = True) -> Path | None:
+                      check: bool = True) -> BlobInfo | None:
         """The stored archive while it is the file whose sha256 was recorded; one written to
         since is read again first (check; without it, under the fill lock, it is just not
         used), and dropped if it no longer matches. One stored before sha256s were recorded
         is adopted if it reads through as an intact .tar.gz."""
-        path = self._archives.path_for(self._archive_parts(module, version))
-        identity = await self._archives.identity(path)
-        if identity is None:
+        key = layout.module_archive(module, version)
+        found = await self._archives.stat(key)
+        if found is None:
             return None
-        if self._checked.seen(path, identity):  # the common hit: one stat, no index read
-            return path
-        record = await self._cache.get(module_archive_key(module, version)) or {}
+        identity = found.identity
+        if self._checked.seen(key, identity):  # the common hit: one stat, no index read
+            return found
+        record = await self._cache.get(layout.module_archive_record(module, version)) or {}
         recorded = recorded_sha256(record)
         if recorded is not None and identity_from_record(record.get("stored_as")) == identity:
-            self._checked.remember(path, identity)
-            return path
+            self._checked.remember(key, identity)
+            return found
         if not check:
             return None
         try:
-            checked = await self._read_again(module, version, path, identity, recorded)
+            checked = await self._read_again(module, version, key, identity, recorded)
         except DamagedFile as damage:
-            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
-                await self._drop_damaged(module, version, path, damage)
+            async with self._archives.fill_lock(layout.module_fill(module, version)):
+                await self._drop_damaged(module, version, key, damage)
             if self._config.upstream.offline:
                 raise Offline(f"the stored archive of module {module} {version} was damaged, "
                               "and the proxy is offline") from None
             return None
         if checked is None:
             return None  # gone meanwhile
-        self._checked.remember(path, checked[1])
+        self._checked.remember(key, checked[1])
         await self._record(module, version, *checked)
-        return path
+        return found
 
-    async def _read_again(self, module: ModuleAddress, version: str, path: Path,
+    async def _read_again(self, module: ModuleAddress, version: str, key: str,
                           identity: FileIdentity, recorded: str | None
                           ) -> tuple[str, FileIdentity] | None:
         """The sha256 and identity of a stored archive that matches its record, or that is
         intact when it has none; None when it is gone. Raises DamagedFile."""
         if recorded is not None:
-            checked = await self._checked.verify(path, identity, recorded)
+            checked = await self._checked.verify(key, identity, recorded)
             return None if checked is None else (recorded, checked)
-        adopted = await adopt_stored(path, read_packed)
+        adopted = await adopt_stored(self._archives, key, read_packed)
         if adopted is not None:
             log.info("module %s %s: recorded the sha256 of an archive stored without one",
                      module, version)
@@ -184,30 +174,30 @@ class ModuleRegistry:
 
     async def _record(self, module: ModuleAddress, version: str, sha256: str,
                       identity: FileIdentity) -> None:
-        await self._cache.set(module_archive_key(module, version), {
+        await self._cache.set(layout.module_archive_record(module, version), {
             "sha256": sha256, "size": identity.size,
             "stored_as": identity_to_record(identity)})
 
-    async def _drop_damaged(self, module: ModuleAddress, version: str, path: Path,
+    async def _drop_damaged(self, module: ModuleAddress, version: str, key: str,
                             damage: DamagedFile) -> None:
         """Delete a damaged stored archive and its record, then count and log it: once, by
         whoever deletes it. Runs under the module's fill lock."""
-        self._checked.forget(path)
-        if not await self._archives.discard(path, damage.identity):
+        self._checked.forget(key)
+        if not await self._archives.delete(key, damage.identity):
             # Gone, or replaced by a fill since it was read: the record is the fill's.
             log.info("module %s %s: the stored archive %s; already dropped or replaced",
                      module, version, damage.message)
             return
-        await self._cache.delete(module_archive_key(module, version))
+        await self._cache.delete(layout.module_archive_record(module, version))
         self._metrics.integrity_failures.labels(damage.kind).inc()
         log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
                   "fetched again", damage.kind, module, version, damage.message)
 
-    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[Path]:
+    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[BlobInfo]:
         return self._archive_fills.start(("module", str(module), version),
                                          lambda: self._logged_fill(module, version))
 
-    async def _logged_fill(self, module: ModuleAddress, version: str) -> Path:
+    async def _logged_fill(self, module: ModuleAddress, version: str) -> BlobInfo:
         # Logged here, once per fill: a prefetch may have no client to report a failure to.
         try:
             return await self._fill(module, version)
@@ -220,18 +210,17 @@ class ModuleRegistry:
             log.exception("module %s %s: fetching its source failed", module, version)
             raise
 
-    async def _fill(self, module: ModuleAddress, version: str) -> Path:
+    async def _fill(self, module: ModuleAddress, version: str) -> BlobInfo:
         # One fill per module version across the processes sharing the cache.
         try:
-            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+            async with self._archives.fill_lock(layout.module_fill(module, version)):
                 return await self._fill_locked(module, version)
         except OSError as exc:  # the lock, the source, its tree or the archive found no room
             if not is_out_of_space(exc):
                 raise
             raise self._archives.disk.ran_out("module") from exc
 
-    async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
-        parts = self._archive_parts(module, version)
+    async def _fill_locked(self, module: ModuleAddress, version: str) -> BlobInfo:
         # Just published by another fill? (Not a file to check: it is replaced.)
         published = await self._stored(module, version, check=False)
         if published is not None:
@@ -242,25 +231,29 @@ class ModuleRegistry:
         source = parse_source(location)
         log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
         async with self._fill_slots:
-            return await self._build(module, version, source, parts)
+            return await self._build(module, version, source)
 
-    async def _build(self, module: ModuleAddress, version: str, source: ModuleSource,
-                     parts: list[str]) -> Path:
+    async def _build(self, module: ModuleAddress, version: str,
+                     source: ModuleSource) -> BlobInfo:
         limit = self._config.modules.max_archive_size
         work = await quick(self._archives.work_dir)
         self._metrics.fills_in_flight.inc()
         try:
             tree = await self._fetch_tree(module, source, work)
             module_root = await quick(select_subdir, tree, source.subdir)
-            packed = self._archives.temp_file()
+            packed = self._archives.spool_path()
             try:
                 await slow(pack, module_root, packed, limit)
                 # Recorded first: no moment when the archive is there and nothing vouches
-                # for it. Publishing renames it, which leaves its identity as it is.
+                # for it. Publishing on disk renames it, which leaves its identity as it is;
+                # elsewhere the blob gets an identity of its own, recorded once it is known.
                 sha256, identity = await slow(fingerprint, packed)
                 await self._record(module, version, sha256, identity)
-                published = await self._archives.publish(packed, parts)
-                self._checked.remember(published, identity)
+                published = await self._archives.publish(
+                    layout.module_archive(module, version), packed)
+                if published.identity != identity:
+                    await self._record(module, version, sha256, published.identity)
+                self._checked.remember(published.key, published.identity)
                 return published
             except BaseException:
                 packed.unlink(missing_ok=True)

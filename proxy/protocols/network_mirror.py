@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from proxy.config import UpstreamConfig
@@ -25,9 +25,11 @@ from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress, version_sort_key
 from proxy.core.redaction import mask_secrets
-from proxy.store.archives import ArchiveStore, FillLock, GrowingFile, StoredArchive
+from proxy.store import layout
 from proxy.store.disk_space import is_out_of_space
 from proxy.store.file_identity import FileIdentity
+from proxy.store.protocol import BlobInfo, BlobStore
+from proxy.store.spool import GrowingFile, StoredArchive, store_package
 from proxy.verification.hashes import zh_hash
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
 from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, h1_of_stored
@@ -40,7 +42,7 @@ _COMPLETE_DOCUMENTS = 4096
 class ProviderMirror:
     """Answers network mirror requests; fetches, verifies and stores on a miss."""
 
-    def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
+    def __init__(self, packages: VerifiedPackages, archives: BlobStore,
                  config: UpstreamConfig, metrics: Metrics) -> None:
         self.packages = packages
         self._filters = packages.filters
@@ -50,12 +52,12 @@ class ProviderMirror:
         self._archives = archives
         self._config = config
         self._metrics = metrics
-        # Archive fills: one task per package, detached from clients; callers get the file
+        # Archive fills: one task per package, detached from clients; callers get the blob
         # (already there) or the GrowingFile as soon as the download has started.
-        self._archive_ready: dict[tuple[str, ...], asyncio.Future[Path | GrowingFile]] = {}
+        self._archive_ready: dict[tuple[str, ...], asyncio.Future[BlobInfo | GrowingFile]] = {}
         self._archive_tasks: set[asyncio.Task[None]] = set()
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
-        self._checked = CheckedFiles()
+        self._checked = CheckedFiles(archives)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown); their temp files are swept at the next start."""
@@ -75,9 +77,8 @@ class ProviderMirror:
         versions = [e.version for e in entries]
         if self._config.offline:
             # Offline, only what is held: a constraint then resolves to a version we have.
-            held = await quick(
-                self._archives.versions_held, ["archives", provider.hostname,
-                                               provider.namespace, provider.type])
+            held = layout.versions_held(
+                provider, await self._archives.list(layout.provider_prefix(provider)))
             versions = [v for v in versions if v in held]
             if not versions:
                 raise Offline(f"no version of {provider} is in the cache, and the proxy is "
@@ -148,17 +149,17 @@ class ProviderMirror:
                                 f"{failures[0].message}")
         return {"archives": archives}
 
-    async def archive(self, provider: ProviderAddress, filename: str) -> Path | GrowingFile:
-        """The verified package named `filename`: the stored file, or on a miss the download
+    async def archive(self, provider: ProviderAddress, filename: str) -> BlobInfo | GrowingFile:
+        """The verified package named `filename`: the stored blob, or on a miss the download
         under way (shared by every caller), which is published only once verified."""
         self.packages.require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
         if not self._filters.platform_allowed(platform):
             raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
-        path = await self._stored(provider, version, platform)
-        if path is not None:
+        stored = await self._stored(provider, version, platform)
+        if stored is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
-            return path
+            return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         key = (str(provider), version, platform.key)
         ready = self._archive_ready.get(key)
@@ -176,7 +177,7 @@ class ProviderMirror:
         return await asyncio.shield(ready)
 
     def _archive_fill_ended(self, key: tuple[str, ...],
-                            ready: asyncio.Future[Path | GrowingFile],
+                            ready: asyncio.Future[BlobInfo | GrowingFile],
                             task: asyncio.Task[None]) -> None:
         self._archive_tasks.discard(task)
         if self._archive_ready.get(key) is ready:
@@ -186,36 +187,36 @@ class ProviderMirror:
             ready.set_exception(error or UpstreamError("the download was interrupted"))
 
     async def _stored(self, provider: ProviderAddress, version: str, platform: Platform,
-                      check: bool = True) -> Path | None:
+                      check: bool = True) -> BlobInfo | None:
         """The stored zip, only if a verified record vouches for it (a file that is on disk
         without one, e.g. after the index was lost, is fetched and checked again), and only
         while it is the file whose bytes were checked: one that was written to since is read
         again first (check; without it, under the fill lock, it is just not used), and
         dropped if it is not the signed package."""
-        found = self._archives.path_for(self.packages.archive_parts(provider, version,
-                                                                    platform))
-        identity = await self._archives.identity(found)
-        if identity is None:
+        key = layout.provider_archive(provider, version, platform)
+        found = await self._archives.stat(key)
+        if found is None:
             return None
-        if self._checked.seen(found, identity):  # the common hit: one stat, no index read
+        identity = found.identity
+        if self._checked.seen(key, identity):  # the common hit: one stat, no index read
             return found
         package = await self.packages.stored_facts(provider, version, platform)
         if package is None or package.size != identity.size:
-            log.warning("%s is on disk without a matching verified record; fetching it again",
-                        found)
+            log.warning("%s is stored without a matching verified record; fetching it again",
+                        key)
             return None
         if package.stored_as == identity:
-            self._checked.remember(found, identity)
+            self._checked.remember(key, identity)
             return found
         if not check:
             return None
         # Written to, replaced or restored since its bytes were checked (or checked before
         # identities were recorded): read it again before a client gets it.
         try:
-            checked = await self._checked.verify(found, identity, package.shasum)
+            checked = await self._checked.verify(key, identity, package.shasum)
         except DamagedFile as damage:
             async with self._fill_lock(provider, version, platform):
-                await self._drop_damaged(provider, version, platform, found, damage)
+                await self._drop_damaged(provider, version, platform, key, damage)
             if self._config.offline:
                 raise Offline(f"the stored package {provider} {version} {platform.key} was "
                               "damaged, and the proxy is offline") from None
@@ -238,9 +239,9 @@ class ProviderMirror:
     # --- archives ------------------------------------------------------------------------
 
     def _fill_lock(self, provider: ProviderAddress, version: str,
-                   platform: Platform) -> FillLock:
+                   platform: Platform) -> AbstractAsyncContextManager[object]:
         # One fill (or drop) per package across the processes sharing the cache.
-        return FillLock(self._archives.lock_path(f"{provider}/{version}/{platform.key}"))
+        return self._archives.fill_lock(layout.provider_fill(provider, version, platform))
 
     async def _with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
                        package: VerifiedPackage) -> VerifiedPackage:
@@ -249,15 +250,14 @@ class ProviderMirror:
         not the signed package is dropped instead: no h1, fetched again when next asked for."""
         if package.h1 is not None:
             return package
-        path = await self._archives.lookup(self.packages.archive_parts(provider, version,
-                                                                       platform))
-        if path is None:
+        key = layout.provider_archive(provider, version, platform)
+        if await self._archives.stat(key) is None:
             return package
         try:
-            h1 = await h1_of_stored(path, package.shasum)
+            h1 = await h1_of_stored(self._archives, key, package.shasum)
         except DamagedFile as damage:
             async with self._fill_lock(provider, version, platform):
-                await self._drop_damaged(provider, version, platform, path, damage)
+                await self._drop_damaged(provider, version, platform, key, damage)
             if self._config.offline:
                 raise Offline(f"the stored package {provider} {version} {platform.key} was "
                               "damaged, and the proxy is offline") from None
@@ -273,13 +273,13 @@ class ProviderMirror:
         return package
 
     async def _drop_damaged(self, provider: ProviderAddress, version: str, platform: Platform,
-                            path: Path, damage: DamagedFile) -> None:
+                            key: str, damage: DamagedFile) -> None:
         """Delete a damaged stored zip and the facts recorded about the file (size, h1; the
         signed facts stay), then count and log it: once, by whoever deletes it. Runs under the
         package's fill lock."""
-        self._checked.forget(path)
+        self._checked.forget(key)
         what = f"{provider} {version} {platform.key}: the stored file {damage.message}"
-        if not await self._archives.discard(path, damage.identity):
+        if not await self._archives.delete(key, damage.identity):
             # Gone, or replaced since it was read (by whoever dropped it first, then a fill):
             # counted by whoever dropped it; the facts are not about this file.
             log.info("%s; already dropped or replaced", what)
@@ -294,12 +294,12 @@ class ProviderMirror:
                      package: VerifiedPackage, stored: StoredArchive) -> None:
         """Record the size and identity of a zip just published (before its followers get
         its last byte)."""
-        self._checked.remember(stored.path, stored.identity)
+        self._checked.remember(stored.key, stored.identity)
         await self.packages.save(provider, version, platform,
                                  replace(package, size=stored.size, stored_as=stored.identity))
 
     async def _fill_archive(self, provider: ProviderAddress, version: str, platform: Platform,
-                            ready: asyncio.Future[Path | GrowingFile]) -> None:
+                            ready: asyncio.Future[BlobInfo | GrowingFile]) -> None:
         try:
             async with self._fill_lock(provider, version, platform):
                 # Just published by another fill? (Not a file to check: it is replaced.)
@@ -315,7 +315,7 @@ class ProviderMirror:
 
     async def _download_archive(self, provider: ProviderAddress, version: str,
                                 platform: Platform,
-                                ready: asyncio.Future[Path | GrowingFile]) -> None:
+                                ready: asyncio.Future[BlobInfo | GrowingFile]) -> None:
         entry = await self.packages.version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
@@ -336,12 +336,13 @@ class ProviderMirror:
                     if download.size is not None:  # cannot fit: a 507 before any headers
                         await quick(self._archives.disk.require_room, "package",
                                                 download.size)
-                    growing = GrowingFile(self._archives.temp_file(), download.size)
+                    growing = GrowingFile(self._archives, self._archives.spool_path(),
+                                          download.size)
                     await quick(growing.temp.touch)
                     ready.set_result(growing)
                     try:
-                        stored = await self._archives.store(
-                            self.packages.archive_parts(provider, version, platform),
+                        stored = await store_package(
+                            self._archives, layout.provider_archive(provider, version, platform),
                             download.chunks, package.shasum, growing,
                             lambda stored: self._vouch(provider, version, platform,
                                                        package, stored))
@@ -353,15 +354,15 @@ class ProviderMirror:
         # The record that vouches for the file was saved (_vouch); its h1 (a full read) now.
         package = replace(package, size=stored.size, stored_as=stored.identity)
         try:
-            h1 = await h1_of_stored(stored.path, package.shasum)
+            h1 = await h1_of_stored(self._archives, stored.key, package.shasum)
         except DamagedFile as damage:  # changed on disk since it was checked
-            await self._drop_damaged(provider, version, platform, stored.path, damage)
+            await self._drop_damaged(provider, version, platform, stored.key, damage)
             return
         if h1 is not None:
             await self.packages.save(provider, version, platform, replace(package, h1=h1))
 
 
-def _published(ready: asyncio.Future[Path | GrowingFile]) -> bool:
+def _published(ready: asyncio.Future[BlobInfo | GrowingFile]) -> bool:
     """Whether the fill behind ready already published its file."""
     if not ready.done() or ready.cancelled() or ready.exception() is not None:
         return False

@@ -15,16 +15,16 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.core.errors import IntegrityError, NotFound, Offline
-from proxy.core.executors import quick
 from proxy.core.models import Platform, ProviderAddress
-from proxy.store.archives import ArchiveStore
+from proxy.store import layout
+from proxy.store.protocol import BlobStore
 from proxy.verification.packages import VerifiedPackages, sums_id
 
 
 class ProviderRegistryService:
     """Answers `providers.v1` requests for every allowed upstream host."""
 
-    def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
+    def __init__(self, packages: VerifiedPackages, archives: BlobStore,
                  config: UpstreamConfig) -> None:
         self._packages = packages
         self._archives = archives
@@ -37,9 +37,8 @@ class ProviderRegistryService:
         self._packages.require_served(provider)
         entries = await self._packages.version_list(provider)
         if self._config.offline:
-            held = await quick(
-                self._archives.versions_held, ["archives", provider.hostname,
-                                               provider.namespace, provider.type])
+            held = layout.versions_held(
+                provider, await self._archives.list(layout.provider_prefix(provider)))
             entries = [e for e in entries if e.version in held]
             if not entries:
                 raise Offline(f"no version of {provider} is in the cache, and the proxy is "
@@ -48,8 +47,8 @@ class ProviderRegistryService:
         for entry in entries:
             platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
             if self._config.offline:  # only what the cache holds
-                platforms = [p for p in platforms if await self._archives.lookup(
-                    self._packages.archive_parts(provider, entry.version, p)) is not None]
+                platforms = [p for p in platforms if await self._archives.stat(
+                    layout.provider_archive(provider, entry.version, p)) is not None]
             listed.append({"version": entry.version, "protocols": list(entry.protocols),
                            "platforms": [{"os": p.os, "arch": p.arch} for p in platforms]})
         return {"versions": listed}

@@ -1,9 +1,10 @@
-"""Artifact file store: a file is written to a temp file under `<cache>/tmp` and renamed into
-place only once verified, so a partial or corrupt file is never visible. Readers may follow
-a download while it is written (GrowingFile). The store also keeps the cache within its size
-limit, least recently used first, counting what every process sharing the directory wrote
-and never deleting a file that any of them is sending. A file's access time is its LRU
-clock; its modification time stays that of its bytes (see proxy.store.file_identity)."""
+"""The disk backend's files (see proxy.store.disk): a file is written to a temp file under
+`<cache>/tmp` and renamed into place only once verified, so a partial or corrupt file is never
+visible (readers follow a download in its temp file: proxy.store.spool). The store also
+keeps the cache within its size limit, least recently used first, counting what every
+process sharing the directory wrote and never deleting a file that any of them is sending.
+A file's access time is its LRU clock; its modification time stays that of its bytes (see
+proxy.store.file_identity)."""
 
 from __future__ import annotations
 
@@ -18,25 +19,14 @@ import stat
 import tempfile
 import time
 import uuid
-import zipfile
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterator,
-    Sequence,
-)
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-import aiofiles
 import aiofiles.os
 
-from proxy.core.errors import IntegrityError, UpstreamError
-from proxy.core.executors import quick, quick_soon, slow
-from proxy.store.disk_space import DiskSpace, is_out_of_space
+from proxy.core.executors import quick, quick_soon
+from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.layout import AREAS
 from proxy.store.usage import (
@@ -49,8 +39,6 @@ from proxy.store.usage import (
 
 log = logging.getLogger(__name__)
 
-# Followers of a download read in pieces this large: memory per client stays small.
-_CHUNK = 256 << 10
 # Uses are recorded on the files' access time, at most this often per file.
 _TOUCH_INTERVAL = 60.0
 # Eviction frees down to this share of the limit, so it does not run on every fill.
@@ -61,92 +49,6 @@ LOCK_STRIPES = 1024
 # The shared usage record is replaced by a full scan at least this often, so that files a
 # crash left uncounted (placed, not yet recorded) cannot push the cache past its limit for long.
 _RESCAN_SECONDS = 600.0
-
-
-@dataclass(frozen=True)
-class StoredArchive:
-    """A verified provider package on disk."""
-
-    path: Path
-    size: int
-    sha256: str
-    identity: FileIdentity  # as published: what a later hit compares against
-
-
-class GrowingFile:
-    """A download under way: readers follow the temp file as it grows, and learn at the end
-    whether it verified (then it was published) or not (then they must abort)."""
-
-    def __init__(self, temp: Path, size: int | None) -> None:
-        self.temp = temp
-        self.size = size
-        self.written = 0
-        self.final: Path | None = None
-        self.error: BaseException | None = None
-        self._changed = asyncio.Event()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def advance(self, count: int) -> None:
-        """More bytes are on disk."""
-        self.written += count
-        self._wake()
-
-    def complete(self, final: Path) -> None:
-        """Verified and published at final."""
-        self.final = final
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        """Not verified: nothing was published."""
-        self.error = error
-        self._wake()
-
-    @property
-    def done(self) -> bool:
-        """Whether the download ended, either way."""
-        return self.final is not None or self.error is not None
-
-    async def wait_done(self) -> Path:
-        """The published file, once there; raises the fill's error."""
-        while not self.done:
-            await self._changed.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.final is not None
-        return self.final
-
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Every byte of the file as it arrives; raises at the end if it did not verify. The
-        last byte is held back until the file verified, so a reader of a bad download never
-        receives a complete body."""
-        try:
-            handle = await aiofiles.open(self.temp, "rb")
-        except FileNotFoundError:
-            # Already renamed into place (or removed after a failure).
-            handle = await aiofiles.open(await self.wait_done(), "rb")
-        mark_in_use(handle.fileno())  # the same file once published: eviction skips it
-        offset = 0
-        try:
-            while True:
-                changed = self._changed
-                if self.error is not None:
-                    raise self.error
-                readable = self.written if self.final is not None else self.written - 1
-                if offset < readable:
-                    data = await handle.read(min(_CHUNK, readable - offset))
-                    if not data:
-                        raise OSError("temp file shorter than reported")
-                    offset += len(data)
-                    yield data
-                    continue
-                if self.final is not None:
-                    return
-                await changed.wait()
-        finally:
-            await handle.close()
 
 
 class ArchiveStore:
@@ -396,62 +298,6 @@ class ArchiveStore:
         except FileNotFoundError:
             return None
         return self._record(ledger, -info.st_size, -1)
-
-    async def store(self, parts: Sequence[str], chunks: AsyncIterator[bytes],
-                    expected_sha256: str, progress: GrowingFile | None = None,
-                    published: Callable[[StoredArchive], Awaitable[None]] | None = None
-                    ) -> StoredArchive:
-        """Write a provider zip to a temp file (readers may follow it through `progress`),
-        check sha256 and that it is a zip, publish, then await `published` (recording what
-        vouches for the file) before the readers get the end of it."""
-        temp = progress.temp if progress is not None else self.temp_file()
-        digest = hashlib.sha256()
-        size = 0
-        try:
-            # Unbuffered: each write is on disk (in the page cache) for followers at once.
-            async with aiofiles.open(temp, "wb", buffering=0) as handle:
-                async for chunk in chunks:
-                    digest.update(chunk)
-                    size += len(chunk)
-                    # An unbuffered write may take only part of the chunk (a disk filling up):
-                    # the rest is written, or the next attempt raises.
-                    pending = memoryview(chunk)
-                    while pending:
-                        pending = pending[await handle.write(pending):]
-                    if progress is not None:
-                        progress.advance(len(chunk))
-                await slow(os.fsync, handle.fileno())  # flushes a whole package
-                # Written: the identity publishing keeps (a rename changes none of it).
-                identity = identity_of(await quick(os.fstat, handle.fileno()))
-            actual = digest.hexdigest()
-            if actual != expected_sha256:
-                raise IntegrityError("checksum", f"package sha256 {actual} does not match the "
-                                     f"signed checksum {expected_sha256}")
-            # Reading the zip's directory is quick; the full h1 pass comes after publishing,
-            # so that readers following the download are not held up by it.
-            if not await quick(zipfile.is_zipfile, temp):
-                raise IntegrityError("archive", "package is not a valid zip")
-            stored = StoredArchive(await self.publish(temp, parts), size, actual, identity)
-            if published is not None:
-                # A client that has the whole file (a `warm` about to stop the proxy) then
-                # finds it recorded.
-                await published(stored)
-        except BaseException as exc:
-            # Synchronous on purpose: this also runs when the fill is cancelled.
-            temp.unlink(missing_ok=True)
-            error = exc
-            if is_out_of_space(exc):
-                error = self.disk.ran_out(
-                    "package", progress.size if progress is not None else None, size)
-            if progress is not None:  # every client following the download learns it now
-                progress.fail(error if isinstance(error, Exception)
-                              else UpstreamError("the download was interrupted"))
-            if error is not exc:
-                raise error from exc
-            raise
-        if progress is not None:
-            progress.complete(stored.path)
-        return stored
 
 
 _LOCK_NAME = ".owner.lock"

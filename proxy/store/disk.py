@@ -5,20 +5,27 @@ directory, so a cache written before the storage seam existed reads as is."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import BinaryIO
 
 import aiofiles
 
+from proxy.config import CacheConfig
 from proxy.core.executors import quick, slow
+from proxy.core.metrics import Metrics
 from proxy.store.archives import ArchiveStore, FillLock
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
+from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
-from proxy.store.protocol import BlobInfo, check_key
+from proxy.store.protocol import BlobInfo, Storage, check_key, export_usage
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 256 << 10
 # FileResponse opens what it sends by name. On Linux, the name of an open descriptor names
@@ -59,7 +66,7 @@ class DiskBlob:
         """The file's identity now (blocking: an fstat)."""
         return identity_of(os.fstat(self._handle.fileno()))
 
-    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncGenerator[bytes, None]:
         """Bytes start..end, read on the quick pool."""
         offset = max(0, start)
         stop = self._info.size if end is None else min(end, self._info.size)
@@ -171,9 +178,13 @@ class DiskBlobStore:
         """Delete the file unless another replaced it since identity was read."""
         return await self.files.discard(self.path_of(key), identity)
 
+    def listed(self, prefix: str) -> list[BlobInfo]:
+        """list, blocking (commands that work on the cache directory)."""
+        return sorted(self._listed(prefix), key=lambda info: info.key)
+
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every file whose key starts with prefix (a walk: on the slow pool)."""
-        return await slow(lambda: sorted(self._listed(prefix), key=lambda info: info.key))
+        return await slow(self.listed, prefix)
 
     def _listed(self, prefix: str) -> Iterator[BlobInfo]:
         top = self.files.cache_dir
@@ -216,4 +227,29 @@ class DiskBlobStore:
         except OSError as exc:
             return f"cache directory {self.files.tmp} is not writable: {exc.strerror}"
         return self.files.disk.problem()
+
+
+
+async def open_disk_storage(config: CacheConfig, metrics: Metrics,
+                            opened: contextlib.AsyncExitStack) -> Storage:
+    """The cache directory's store and index, closed by `opened`: temp files that dead
+    processes left are swept, the cache is measured (and evicted down to its limit), and
+    its usage exported as metrics."""
+    cache_dir = config.dir
+    disk = DiskSpace(cache_dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
+    blobs = DiskBlobStore.at(cache_dir, config.max_size,
+                             on_evict=lambda count, _size: metrics.evictions.inc(count),
+                             disk=disk)
+    opened.callback(blobs.close)
+    swept = await slow(blobs.files.sweep_temp)
+    if swept:
+        log.info("removed %d unfinished download(s) left by an earlier run", swept)
+    used = await slow(blobs.files.measure)
+    export_usage(blobs, config.max_size, metrics)
+    log.info("cache holds %d bytes of packages and modules", used)
+    if config.max_size is not None and used > config.max_size:
+        await blobs.files.evict()
+    index = MetadataCache(cache_dir / "index", disk)
+    opened.callback(index.close)
+    return Storage(blobs, index)
 

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from proxy.core.errors import ProxyError, UpstreamError
 from proxy.core.metrics import Metrics
 from proxy.core.singleflight import SingleFlight
-from proxy.store.index import MetadataCache
+from proxy.store.protocol import MetadataIndex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,7 +29,7 @@ FAILURE_BACKOFF_SECONDS = 30.0
 class RefreshingDocuments(Generic[T]):
     """One kind of mutable document, stored in the metadata cache as JSON-able values."""
 
-    def __init__(self, kind: str, cache: MetadataCache, metrics: Metrics, ttl: float,
+    def __init__(self, kind: str, cache: MetadataIndex, metrics: Metrics, ttl: float,
                  encode: Callable[[T], Any], decode: Callable[[Any], T],
                  offline: bool = False) -> None:
         self._kind = kind

@@ -9,7 +9,11 @@ the cache directory has always used: a cache written by an earlier release reads
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from proxy.core.errors import BadRequest
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
+from proxy.store.protocol import BlobInfo
 
 PROVIDER_AREA = "archives"
 MODULE_AREA = "modules"
@@ -36,6 +40,13 @@ def version_of_provider_archive(provider: ProviderAddress, key: str) -> str | No
     rest = key.removeprefix(provider_prefix(provider))
     version, _, name = rest.partition("/")
     return version if rest != key and name and "/" not in name else None
+
+
+def versions_held(provider: ProviderAddress, listed: Iterable[BlobInfo]) -> set[str]:
+    """The versions of provider that a listing under provider_prefix(provider) holds at
+    least one package of."""
+    versions = (version_of_provider_archive(provider, info.key) for info in listed)
+    return {version for version in versions if version is not None}
 
 
 def module_archive(module: ModuleAddress, version: str) -> str:
@@ -77,7 +88,7 @@ def parse_package_record(key: str) -> tuple[ProviderAddress, str, Platform] | No
         return None
     try:
         platform = Platform.from_key(parts[5])
-    except ValueError:
+    except BadRequest:
         return None
     return ProviderAddress(parts[1], parts[2], parts[3]), parts[4], platform
 

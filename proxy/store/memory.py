@@ -5,6 +5,7 @@ event loop (every change is made between awaits); nothing is shared between proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import io
 import itertools
@@ -14,16 +15,18 @@ import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from proxy.config import CacheConfig
 from proxy.core.executors import quick, slow
+from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
-from proxy.store.protocol import BlobInfo, check_key
+from proxy.store.protocol import BlobInfo, Storage, check_key, export_usage
 
 # Eviction frees down to this share of the limit, as the disk backend does.
 _LOW_WATER = 0.9
@@ -62,7 +65,7 @@ class MemoryBlob:
         """Blobs in memory never change in place."""
         return self._blob.info.identity
 
-    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self, start: int = 0, end: int | None = None) -> AsyncGenerator[bytes, None]:
         """Bytes start..end, in pieces."""
         stop = len(self._blob.data) if end is None else min(end, len(self._blob.data))
         view = memoryview(self._blob.data)
@@ -81,7 +84,8 @@ class MemoryBlobStore:
     directories are local files under a private temp directory (removed by close)."""
 
     def __init__(self, max_size: int | None = None, scratch: Path | None = None,
-                 disk: DiskSpace | None = None) -> None:
+                 disk: DiskSpace | None = None,
+                 on_evict: Callable[[int, int], None] | None = None) -> None:
         self.scratch = Path(tempfile.mkdtemp(prefix="memory-store-", dir=scratch))
         self._disk = disk or DiskSpace(self.scratch)
         self.max_size = max_size
@@ -89,7 +93,7 @@ class MemoryBlobStore:
         self._reading: Counter[str] = Counter()
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._generation = itertools.count(1)
-        self.evicted = 0
+        self._on_evict = on_evict
 
     def close(self) -> None:
         """Forget everything and remove the scratch directory."""
@@ -153,8 +157,10 @@ class MemoryBlobStore:
                 break
             if key == keep or self._reading[key]:
                 continue
-            total -= self._blobs.pop(key).info.size
-            self.evicted += 1
+            size = self._blobs.pop(key).info.size
+            total -= size
+            if self._on_evict is not None:
+                self._on_evict(1, size)
 
     async def stat(self, key: str) -> BlobInfo | None:
         """The blob at key, if any."""
@@ -248,3 +254,15 @@ class MemoryIndex:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+async def open_memory_storage(config: CacheConfig, metrics: Metrics,
+                              opened: contextlib.AsyncExitStack) -> Storage:
+    """An empty in-memory store and index within config.max_size (spools under
+    config.dir), closed by `opened`."""
+    await quick(config.dir.mkdir, parents=True, exist_ok=True)
+    blobs = MemoryBlobStore(config.max_size, scratch=config.dir,
+                            on_evict=lambda count, _size: metrics.evictions.inc(count))
+    opened.callback(blobs.close)
+    export_usage(blobs, config.max_size, metrics)
+    return Storage(blobs, MemoryIndex())

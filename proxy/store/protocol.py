@@ -11,12 +11,14 @@ disk backend renames the spool into place (no copy); others read or upload it.""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterable, AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from proxy.config import CacheConfig
+from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 
@@ -68,7 +70,7 @@ class OpenBlob(Protocol):
         was written in place since it was opened (disk only; blobs elsewhere are immutable)."""
         ...
 
-    def chunks(self, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+    def chunks(self, start: int = 0, end: int | None = None) -> AsyncGenerator[bytes, None]:
         """Bytes start..end (end exclusive; None: to the end, past the end: clamped)."""
         ...
 
@@ -177,3 +179,14 @@ class Storage:
 
     blobs: BlobStore
     index: MetadataIndex
+
+
+# How the app opens its storage: cache settings, metrics, and the stack that closes it.
+StorageOpener = Callable[[CacheConfig, Metrics, AsyncExitStack], Awaitable[Storage]]
+
+
+def export_usage(blobs: BlobStore, max_size: int | None, metrics: Metrics) -> None:
+    """Report the store's size, blob count and limit as metrics."""
+    metrics.cache_bytes.set_function(lambda: blobs.used_bytes)
+    metrics.cache_files.set_function(lambda: blobs.file_count)
+    metrics.cache_max_bytes.set(max_size or 0)

@@ -17,9 +17,10 @@ from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import SingleFlight
+from proxy.store import layout
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.store.freshness import RefreshingDocuments
-from proxy.store.index import MetadataCache
+from proxy.store.protocol import MetadataIndex
 from proxy.upstream.documents import (
     DownloadInfo,
     VersionEntry,
@@ -55,7 +56,7 @@ class VerifiedPackage:
 class VerifiedPackages:
     """Version lists and verified package facts, fetched on a miss and cached."""
 
-    def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
+    def __init__(self, registry: ProviderRegistryClient, cache: MetadataIndex,
                  config: UpstreamConfig, metrics: Metrics,
                  filters: Filters | None = None) -> None:
         self.registry = registry
@@ -90,7 +91,7 @@ class VerifiedPackages:
                            wanted: str | None = None) -> list[VersionEntry]:
         """Upstream's version list (refreshed early when `wanted` is not in it)."""
         return await self._versions.get(
-            f"versions/{provider}", lambda: self.registry.list_versions(provider),
+            layout.version_list_record(provider), lambda: self.registry.list_versions(provider),
             knows=None if wanted is None else
             (lambda entries: any(e.version == wanted for e in entries)))
 
@@ -104,7 +105,7 @@ class VerifiedPackages:
     @staticmethod
     def package_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
         """The metadata cache key of a package's verified facts."""
-        return f"package/{provider}/{version}/{platform.key}"
+        return layout.package_record(provider, version, platform)
 
     async def save(self, provider: ProviderAddress, version: str, platform: Platform,
                    package: VerifiedPackage) -> None:
@@ -155,7 +156,7 @@ class VerifiedPackages:
     async def stored_sums(self, provider: ProviderAddress, version: str,
                           name: str) -> tuple[bytes, bytes] | None:
         """The verified SHA256SUMS and its signature, byte for byte, if held."""
-        record = await self._cache.get(f"sums/{provider}/{version}/{name}")
+        record = await self._cache.get(layout.sums_record(provider, version, name))
         if record is None:
             return None
         return bytes(record["sums"]), bytes(record["signature"])
@@ -163,7 +164,7 @@ class VerifiedPackages:
     async def signed_sums(self, provider: ProviderAddress, version: str,
                           info: DownloadInfo) -> bytes:
         """SHA256SUMS bytes whose signature verified (cached: immutable once verified)."""
-        key = f"sums/{provider}/{version}/{sums_id(info.shasums_url)}"
+        key = layout.sums_record(provider, version, sums_id(info.shasums_url))
         record = await self._cache.get(key)
         if record is not None:
             self._metrics.cache_lookups.labels("sums", "hit").inc()
@@ -195,13 +196,6 @@ class VerifiedPackages:
         self._metrics.integrity_failures.labels(kind).inc()
         log.error("integrity failure (%s): %s", kind, message)
         return IntegrityError(kind, message)
-
-    @staticmethod
-    def archive_parts(provider: ProviderAddress, version: str,
-                      platform: Platform) -> list[str]:
-        """Where the package's zip is stored."""
-        return ["archives", provider.hostname, provider.namespace, provider.type, version,
-                provider.archive_filename(version, platform)]
 
 
 def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Checks of stored files against the sha256 they were stored with, and the h1 of a stored
+"""Checks of stored blobs against the sha256 they were stored with, and the h1 of a stored
 package, computed only from bytes that match the signed checksum: a file damaged on disk must
 never give its wrong hash to a lock file, nor be served as the package."""
 
@@ -15,6 +15,7 @@ from proxy.core.errors import IntegrityError
 from proxy.core.executors import slow
 from proxy.core.singleflight import SingleFlight
 from proxy.store.file_identity import FileIdentity, identity_of
+from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
 from proxy.verification.hashes import h1_of_zip, sha256_of_file
 
 log = logging.getLogger(__name__)
@@ -30,28 +31,29 @@ class DamagedFile(IntegrityError):
         self.identity = identity  # of the file that was read, if known
 
 
-async def h1_of_stored(path: Path, sha256: str) -> str | None:
+async def h1_of_stored(store: BlobStore, key: str, sha256: str) -> str | None:
     """The h1 of a stored package, computed only from bytes whose sha256 is the signed one
-    (a full read, off the loop). None when the file is gone, or when it is the signed package
+    (a full read, off the loop). None when the blob is gone, or when it is the signed package
     but not a zip that can be hashed (fetching it again would not change that). Raises
     DamagedFile when the stored bytes are not the signed ones or cannot be read."""
-    return await slow(_checked_read, path, sha256, _h1_of_checked)
+    return await _with_open(store, key, lambda blob: _checked_read(blob, sha256, _h1_of_checked))
 
 
-async def verify_stored(path: Path, sha256: str) -> FileIdentity | None:
-    """The identity of a stored file whose bytes have the sha256 it was stored with (a full
-    read, off the loop); None when the file is gone. Raises DamagedFile when the bytes differ,
+async def verify_stored(store: BlobStore, key: str, sha256: str) -> FileIdentity | None:
+    """The identity of a stored blob whose bytes have the sha256 it was stored with (a full
+    read, off the loop); None when the blob is gone. Raises DamagedFile when the bytes differ,
     cannot be read, or change while they are read."""
-    return await slow(_checked_read, path, sha256, _unchanged_identity)
+    return await _with_open(store, key,
+                            lambda blob: _checked_read(blob, sha256, _unchanged_identity))
 
 
-async def adopt_stored(path: Path, intact: Callable[[BinaryIO], None]
+async def adopt_stored(store: BlobStore, key: str, intact: Callable[[BinaryIO], None]
                        ) -> tuple[str, FileIdentity] | None:
-    """The sha256 and identity of a stored file that no recorded sha256 vouches for (stored
+    """The sha256 and identity of a stored blob that no recorded sha256 vouches for (stored
     before they were recorded), if `intact` accepts its bytes (it raises ValueError if not); a
-    full read, off the loop. None when the file is gone. Raises DamagedFile when it is not
+    full read, off the loop. None when the blob is gone. Raises DamagedFile when it is not
     intact, cannot be read, or changes while it is read."""
-    return await slow(_adopted, path, intact)
+    return await _with_open(store, key, lambda blob: _adopted(blob, intact))
 
 
 def fingerprint(path: Path) -> tuple[str, FileIdentity]:
@@ -62,39 +64,40 @@ def fingerprint(path: Path) -> tuple[str, FileIdentity]:
 
 
 class CheckedFiles:
-    """The stored files this process has seen match their recorded sha256, by identity: a
-    hit on an unchanged file costs a stat; a changed one is read again once, however many
+    """The stored blobs this process has seen match their recorded sha256, by identity: a
+    hit on an unchanged blob costs a stat; a changed one is read again once, however many
     requests ask for it meanwhile."""
 
-    def __init__(self) -> None:
-        self._seen: dict[Path, FileIdentity] = {}
+    def __init__(self, store: BlobStore) -> None:
+        self._store = store
+        self._seen: dict[str, FileIdentity] = {}
         self._checks: SingleFlight[FileIdentity | None] = SingleFlight()
 
-    def seen(self, path: Path, identity: FileIdentity) -> bool:
-        """Whether this very file was checked (or published) by this process."""
-        return self._seen.get(path) == identity
+    def seen(self, key: str, identity: FileIdentity) -> bool:
+        """Whether this very blob was checked (or published) by this process."""
+        return self._seen.get(key) == identity
 
-    def remember(self, path: Path, identity: FileIdentity) -> None:
-        """The file with this identity holds the bytes it was stored with."""
-        self._seen[path] = identity
+    def remember(self, key: str, identity: FileIdentity) -> None:
+        """The blob with this identity holds the bytes it was stored with."""
+        self._seen[key] = identity
 
-    def forget(self, path: Path) -> None:
-        """The file was dropped (or is being replaced)."""
-        self._seen.pop(path, None)
+    def forget(self, key: str) -> None:
+        """The blob was dropped (or is being replaced)."""
+        self._seen.pop(key, None)
 
-    async def verify(self, path: Path, identity: FileIdentity,
+    async def verify(self, key: str, identity: FileIdentity,
                      sha256: str) -> FileIdentity | None:
         """verify_stored, shared by concurrent callers; remembered when the bytes match (a
         caller that comes after that is answered from memory)."""
-        if self.seen(path, identity):
+        if self.seen(key, identity):
             return identity
-        return await self._checks.run((path, identity, sha256),
-                                      lambda: self._verify(path, sha256))
+        return await self._checks.run((key, identity, sha256),
+                                      lambda: self._verify(key, sha256))
 
-    async def _verify(self, path: Path, sha256: str) -> FileIdentity | None:
-        checked = await verify_stored(path, sha256)
+    async def _verify(self, key: str, sha256: str) -> FileIdentity | None:
+        checked = await verify_stored(self._store, key, sha256)
         if checked is not None:  # before the run ends: no caller finds neither
-            self.remember(path, checked)
+            self.remember(key, checked)
         return checked
 
     async def close(self) -> None:
@@ -102,59 +105,60 @@ class CheckedFiles:
         await self._checks.cancel_all()
 
 
-def _open_stored(path: Path) -> BinaryIO | None:
+async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) -> T | None:
+    """read(the open blob) on the slow pool; None when the blob is gone."""
     try:
-        return open(path, "rb")
+        blob = await store.open(key)
     except FileNotFoundError:
-        return None  # evicted meanwhile: nothing to check, nothing to drop
+        return None
     except OSError as exc:
+        info = await _stat_quietly(store, key)
         raise DamagedFile(f"cannot be opened ({exc.strerror or exc})",
-                          _identity_of(path)) from None
+                          None if info is None else info.identity) from None
+    if blob is None:
+        return None  # evicted meanwhile: nothing to check, nothing to drop
+    try:
+        return await slow(read, blob)
+    finally:
+        blob.close()
 
 
-def _checked_read(path: Path, sha256: str,
-                  then: Callable[[Path, BinaryIO, FileIdentity], T]) -> T | None:
-    """Open the file, check its bytes against sha256, then hand the same open file (the
-    bytes just checked) to `then`. None when the file is gone."""
-    handle = _open_stored(path)
-    if handle is None:
-        return None
-    with handle:
-        before = identity_of(os.fstat(handle.fileno()))
-        with _read_errors_are_damage(before):
-            actual = sha256_of_file(handle)
-        if actual != sha256.lower():
-            raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
-                              "stored with", before)
+def _checked_read(blob: OpenBlob, sha256: str,
+                  then: Callable[[OpenBlob, BinaryIO, FileIdentity], T]) -> T:
+    """Check the blob's bytes against sha256, then hand the same open file (the bytes just
+    checked) to `then`."""
+    before = blob.info.identity
+    with _read_errors_are_damage(before):
+        handle = blob.file()
+        actual = sha256_of_file(handle)
+    if actual != sha256.lower():
+        raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
+                          "stored with", before)
+    handle.seek(0)
+    return then(blob, handle, before)
+
+
+def _adopted(blob: OpenBlob, intact: Callable[[BinaryIO], None]) -> tuple[str, FileIdentity]:
+    before = blob.info.identity
+    with _read_errors_are_damage(before):
+        handle = blob.file()
+        actual = sha256_of_file(handle)
         handle.seek(0)
-        return then(path, handle, before)
+        try:
+            intact(handle)
+        except ValueError as exc:
+            raise DamagedFile(f"is damaged: {exc}", before) from None
+    return actual, _unchanged_identity(blob, handle, before)
 
 
-def _adopted(path: Path, intact: Callable[[BinaryIO], None]
-             ) -> tuple[str, FileIdentity] | None:
-    handle = _open_stored(path)
-    if handle is None:
-        return None
-    with handle:
-        before = identity_of(os.fstat(handle.fileno()))
-        with _read_errors_are_damage(before):
-            actual = sha256_of_file(handle)
-            handle.seek(0)
-            try:
-                intact(handle)
-            except ValueError as exc:
-                raise DamagedFile(f"is damaged: {exc}", before) from None
-        return actual, _unchanged_identity(path, handle, before)
-
-
-def _unchanged_identity(_path: Path, handle: BinaryIO, before: FileIdentity) -> FileIdentity:
+def _unchanged_identity(blob: OpenBlob, _handle: BinaryIO, before: FileIdentity) -> FileIdentity:
     # Written to while it was read: what was hashed may not be what is there now.
-    if identity_of(os.fstat(handle.fileno())) != before:
+    if blob.current_identity() != before:
         raise DamagedFile("changed while it was checked", before)
     return before
 
 
-def _h1_of_checked(path: Path, handle: BinaryIO, before: FileIdentity) -> str | None:
+def _h1_of_checked(blob: OpenBlob, handle: BinaryIO, before: FileIdentity) -> str | None:
     with _read_errors_are_damage(before):
         try:
             # The same open file: what is unzipped is what was just checked.
@@ -163,7 +167,7 @@ def _h1_of_checked(path: Path, handle: BinaryIO, before: FileIdentity) -> str | 
             raise
         except Exception as exc:  # zipfile raises many kinds of error on bad zips
             log.warning("%s matches its signed checksum, but its h1 cannot be computed: %s",
-                        path, exc)
+                        blob.info.key, exc)
             return None
 
 
@@ -175,8 +179,8 @@ def _read_errors_are_damage(identity: FileIdentity) -> Iterator[None]:
         raise DamagedFile(f"cannot be read ({exc.strerror or exc})", identity) from None
 
 
-def _identity_of(path: Path) -> FileIdentity | None:
+async def _stat_quietly(store: BlobStore, key: str) -> BlobInfo | None:
     try:
-        return identity_of(path.stat())
+        return await store.stat(key)
     except OSError:
         return None

@@ -12,7 +12,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, cast
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
@@ -22,7 +22,8 @@ from prometheus_client import Counter
 from proxy.core.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
 from proxy.core.executors import quick, quick_soon
 from proxy.core.redaction import mask_secrets
-from proxy.store.archives import ArchiveStore, GrowingFile
+from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
+from proxy.store.spool import GrowingFile
 from proxy.web.access_log import CACHE_RESULT_KEY
 
 log = logging.getLogger(__name__)
@@ -39,37 +40,40 @@ def error_body(message: str) -> bytes:
     return json.dumps({"errors": [mask_secrets(message)]}).encode()
 
 
-# A stored file may leave the cache (another process evicted it) between being found and
+# A stored blob may leave the cache (another process evicted it) between being found and
 # being opened; it is then looked up again, which fetches it anew. Never in a loop.
 _FIND_ATTEMPTS = 3
 
 
-async def send_file(request: web.Request, find: Callable[[], Awaitable[Path | GrowingFile]],
-                    content_type: str, store: ArchiveStore,
+async def send_file(request: web.Request,
+                    find: Callable[[], Awaitable[BlobInfo | GrowingFile]],
+                    content_type: str, store: BlobStore,
                     served: Counter) -> web.StreamResponse:
-    """What `find` returns: a stored file by sendfile, or a download under way as its bytes
-    arrive. Either is sent here, inside the error middleware: a failure before the headers
-    becomes a JSON error, one after them cuts the connection (see `abort_after_headers`). A
-    stored file is opened, and marked in use, before anything is sent."""
+    """What `find` returns: a stored blob (by sendfile when it is a local file), or a
+    download under way as its bytes arrive. Either is sent here, inside the error middleware:
+    a failure before the headers becomes a JSON error, one after them cuts the connection
+    (see `abort_after_headers`). A stored blob is opened, and so kept from eviction, before
+    anything is sent."""
     for _attempt in range(_FIND_ATTEMPTS):
         source = await find()
-        request[CACHE_RESULT_KEY] = "hit" if isinstance(source, Path) else "miss"
+        request[CACHE_RESULT_KEY] = "hit" if isinstance(source, BlobInfo) else "miss"
         if isinstance(source, GrowingFile):
             if request.method != "HEAD":
                 return await _stream(request, source, content_type, served)
             source = await source.wait_done()
-        handle = await quick(store.open_to_send, source)
-        if handle is None:
+        blob = await store.open(source.key)
+        if blob is None:
             log.info("%s left the cache before it could be sent; looking it up again",
-                     source.name)
+                     source.key.rpartition("/")[2])
             continue
         try:
-            store.touch(source)
-            sent = _OpenFileResponse(handle, source, served,
-                                     headers={"Content-Type": content_type})
+            headers = {"Content-Type": content_type}
+            local = blob.local_path
+            sent: web.StreamResponse = _BlobResponse(blob, served, headers) if local is None \
+                else _OpenFileResponse(local, served, headers)
             await sent.prepare(request)
         finally:
-            handle.close()
+            await quick(blob.close)
         return sent
     raise Unavailable("the file kept leaving the cache before it could be sent (the cache "
                       "is too small for its load); try again")
@@ -145,13 +149,6 @@ def _reset_connection(request: web.Request) -> None:
     transport.abort()
 
 
-# FileResponse opens what it sends by name. On Linux, the name of an open descriptor names
-# exactly the file that was opened (and marked in use), even once it is deleted: no bare 404
-# if it leaves the cache meanwhile. Elsewhere, the mark keeps eviction away from the path.
-_OPEN_FILES = Path("/proc/self/fd")
-_NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
-
-
 class _JsonErrors(web.StreamResponse):
     """The error answers FileResponse makes itself (416 for a range outside the file, 412 for
     a failed precondition) get the proxy's JSON error body, their headers kept (a 416's
@@ -174,14 +171,13 @@ class _JsonErrors(web.StreamResponse):
 
 
 class _OpenFileResponse(web.FileResponse, _JsonErrors):
-    """sendfile of a stored file this request already opened; counts the bytes sent. Every
-    blocking call runs on the quick pool, never on the loop's default executor, where
-    libraries' calls (aiofiles, name lookups outside the proxy's own) may queue."""
+    """sendfile of a stored file this request already opened (by the name its store gives
+    the open file: the blob's local_path); counts the bytes sent. Every blocking call runs
+    on the quick pool, never on the loop's default executor, where libraries' calls
+    (aiofiles, name lookups outside the proxy's own) may queue."""
 
-    def __init__(self, handle: BinaryIO, path: Path, served: Counter,
-                 headers: dict[str, str]) -> None:
-        super().__init__(_OPEN_FILES / str(handle.fileno()) if _NAMES_OPEN_FILES else path,
-                         headers=headers)
+    def __init__(self, path: Path, served: Counter, headers: dict[str, str]) -> None:
+        super().__init__(path, headers=headers)
         self._served = served
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
@@ -254,3 +250,56 @@ def _read_at(file: io.BufferedIOBase, offset: int, size: int) -> bytearray:
     chunk = bytearray(size)  # a new buffer each time: the transport may still hold the last
     del chunk[file.readinto(chunk):]
     return chunk
+
+
+class _BlobResponse(_JsonErrors):
+    """A stored blob that is not a local file, streamed from its store: the whole of it, or
+    the one byte range the request asks for (206; 416 outside the blob), as FileResponse
+    answers for a file. Counts the bytes sent."""
+
+    def __init__(self, blob: OpenBlob, served: Counter, headers: dict[str, str]) -> None:
+        super().__init__(headers=headers)
+        self._blob = blob
+        self._served = served
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if self.prepared:
+            return await super().prepare(request)
+        size = self._blob.info.size
+        self.headers[hdrs.ACCEPT_RANGES] = "bytes"
+        self.last_modified = self._blob.info.mtime
+        start, end = 0, size
+        try:
+            wanted = request.http_range
+        except ValueError:
+            wanted = slice(None)  # a malformed Range is ignored, as FileResponse does
+        if wanted.start is not None or wanted.stop is not None:
+            start, end = _range_in(wanted, size)
+            if start >= end:
+                self.set_status(416)
+                self.headers[hdrs.CONTENT_RANGE] = f"bytes */{size}"
+                return await super().prepare(request)
+            self.set_status(206)
+            self.headers[hdrs.CONTENT_RANGE] = f"bytes {start}-{end - 1}/{size}"
+        self.content_length = end - start
+        writer = await super().prepare(request)
+        if request.method == "HEAD":
+            return writer
+        async with contextlib.aclosing(self._blob.chunks(start, end)) as chunks:
+            async for chunk in chunks:
+                await self.write(chunk)
+                self._served.inc(len(chunk))
+        await self.write_eof()
+        return writer
+
+
+def _range_in(wanted: slice, size: int) -> tuple[int, int]:
+    """The bytes [start, end) of a blob of size that request.http_range names (a suffix
+    range when only stop is negative)."""
+    if wanted.start is None:  # bytes=-N: the last N
+        assert wanted.stop is not None
+        return max(0, size + wanted.stop), size
+    if wanted.start < 0:
+        return max(0, size + wanted.start), size
+    end = size if wanted.stop is None else min(wanted.stop, size)
+    return wanted.start, end

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
-from pathlib import Path
 
 from aiohttp import web
 
@@ -24,7 +22,7 @@ from proxy.core.models import (
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
-from proxy.store.archives import ArchiveStore
+from proxy.store.protocol import BlobStore
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_response, send_file
 
@@ -37,7 +35,7 @@ METRICS_KEY = web.AppKey("metrics", Metrics)
 MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
 MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
 REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
-ARCHIVES_KEY = web.AppKey("archives", ArchiveStore)
+ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
 
 
@@ -52,21 +50,10 @@ async def readyz(request: web.Request) -> web.Response:
     if ARCHIVES_KEY not in request.app:
         return json_response({"errors": ["still starting"]}, status=503)
     archives = request.app[ARCHIVES_KEY]
-    problem = await quick(
-        lambda: _cache_write_problem(archives.tmp) or archives.disk.problem())
+    problem = await quick(archives.health_problem)
     if problem:
         return json_response({"errors": [problem]}, status=503)
     return json_response({"status": "ready"})
-
-
-def _cache_write_problem(directory: Path) -> str | None:
-    probe = directory / f".readyz-{os.getpid()}"
-    try:
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        return f"cache directory {directory} is not writable: {exc.strerror}"
-    return None
 
 
 async def metrics(request: web.Request) -> web.Response:
