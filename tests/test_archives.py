@@ -21,7 +21,7 @@ from proxy.core.errors import IntegrityError
 from proxy.store.archives import ArchiveStore, FillLock
 from proxy.store.disk import DiskBlobStore
 from proxy.store.file_identity import identity_of
-from proxy.store.spool import GrowingFile, store_package
+from proxy.store.spool import new_spool, store_package
 from proxy.store.usage import UsageLedger
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.stored_hashes import DamagedFile, h1_of_stored, verify_stored
@@ -229,8 +229,7 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
     store = ArchiveStore(tmp_path)
     blobs = DiskBlobStore(store)
     data = ZIP
-    growing = GrowingFile(blobs, store.temp_file(), len(data))
-    growing.temp.touch()
+    growing = await new_spool(blobs, len(data))
     gate = asyncio.Event()
 
     async def slow_chunks() -> AsyncIterator[bytes]:
@@ -249,8 +248,7 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
     await fill
     assert growing.final is not None and blobs.path_of(growing.final.key).read_bytes() == data
 
-    bad = GrowingFile(blobs, store.temp_file(), len(data))
-    bad.temp.touch()
+    bad = await new_spool(blobs, len(data))
     failing = asyncio.create_task(store_package(blobs, KEY, chunks(data), "0" * 64, bad))
     with pytest.raises(IntegrityError):
         async for _chunk in bad.chunks():
@@ -363,8 +361,7 @@ async def test_short_writes_are_completed_not_skipped(
 
     monkeypatch.setattr(aiofiles.threadpool, "sync_open", sync_open)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    growing = GrowingFile(blobs, blobs.spool_path(), len(ZIP))
-    growing.temp.touch()
+    growing = await new_spool(blobs, len(ZIP))
     fill = asyncio.create_task(store_package(blobs, KEY, chunks(ZIP),
                                              hashlib.sha256(ZIP).hexdigest(), growing))
     followed = b"".join([chunk async for chunk in growing.chunks()])

@@ -234,7 +234,8 @@ async def test_a_fill_lock_admits_one_holder_at_a_time(store: OpenedStore) -> No
     order: list[str] = []
 
     async def fill(name: str, hold: float) -> None:
-        async with store.blobs.fill_lock("registry.example/acme/thing/1.0.0/linux_amd64"):
+        async with store.blobs.fill_lock("registry.example/acme/thing/1.0.0/linux_amd64",
+                                         "package"):
             order.append(f"{name} in")
             await asyncio.sleep(hold)
             order.append(f"{name} out")

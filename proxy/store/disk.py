@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -210,9 +210,12 @@ class DiskBlobStore:
                     except FileNotFoundError:
                         continue  # evicted meanwhile
 
-    def fill_lock(self, name: str) -> AbstractAsyncContextManager[object]:
+    @asynccontextmanager
+    async def fill_lock(self, name: str, what: str) -> AsyncIterator[None]:
         """One of the striped flock files: shared by every process using the directory."""
-        return FillLock(self.files.lock_path(name))
+        with self.files.disk.reports(what):
+            async with FillLock(self.files.lock_path(name)):
+                yield
 
     def reread_usage(self) -> None:
         """Read the usage record every process updates."""

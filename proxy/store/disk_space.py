@@ -7,7 +7,8 @@ import errno
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from proxy.core.errors import InsufficientStorage
@@ -71,6 +72,16 @@ class DiskSpace:
         self.directory = directory
         self._on_full = on_full
         self._needed: int | None = None  # set while full: the room the failed write needed
+
+    @contextmanager
+    def reports(self, kind: str) -> Iterator[None]:
+        """Within the block, a write that finds no space raises ran_out(kind)."""
+        try:
+            yield
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            raise self.ran_out(kind) from exc
 
     def ran_out(self, kind: str, needed: int | None = None, got: int = 0) -> InsufficientStorage:
         """Record that writing a `kind` (package, module, index) found no space: count it, log

@@ -198,13 +198,14 @@ class MemoryBlobStore:
         return [self._blobs[key].info for key in sorted(self._blobs) if key.startswith(prefix)]
 
     @asynccontextmanager
-    async def fill_lock(self, name: str) -> AsyncIterator[object]:
+    async def fill_lock(self, name: str, what: str) -> AsyncIterator[None]:
         """One holder per name at a time (within this process: all there is)."""
         lock, users = self._locks.get(name, (asyncio.Lock(), 0))
         self._locks[name] = (lock, users + 1)
         try:
-            async with lock:
-                yield lock
+            with self._disk.reports(what):
+                async with lock:
+                    yield
         finally:
             lock, users = self._locks[name]
             if users == 1:

@@ -133,9 +133,11 @@ class BlobStore(Protocol):
         """Every blob whose key starts with prefix, in key order."""
         ...
 
-    def fill_lock(self, name: str) -> AbstractAsyncContextManager[object]:
+    def fill_lock(self, name: str, what: str) -> AbstractAsyncContextManager[None]:
         """An exclusive lock on one fill (by name), shared by every process and replica that
-        uses the store: one fill of an artifact at a time."""
+        uses the store: one fill of an artifact at a time. Running out of local room while
+        it is held (the lock, a spool, the published blob) raises InsufficientStorage for
+        `what` (package, module)."""
         ...
 
     def reread_usage(self) -> None:

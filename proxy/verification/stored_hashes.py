@@ -123,32 +123,38 @@ async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) 
         blob.close()
 
 
-def _checked_read(blob: OpenBlob, sha256: str,
-                  then: Callable[[OpenBlob, BinaryIO, FileIdentity], T]) -> T:
-    """Check the blob's bytes against sha256, then hand the same open file (the bytes just
-    checked) to `then`."""
-    before = blob.info.identity
-    with _read_errors_are_damage(before):
-        handle = blob.file()
-        actual = sha256_of_file(handle)
-    if actual != sha256.lower():
-        raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
-                          "stored with", before)
-    handle.seek(0)
-    return then(blob, handle, before)
-
-
-def _adopted(blob: OpenBlob, intact: Callable[[BinaryIO], None]) -> tuple[str, FileIdentity]:
+def _hashed_read(blob: OpenBlob, then: Callable[[OpenBlob, BinaryIO, FileIdentity, str], T]) -> T:
+    """Hash the open blob's bytes, rewind, then hand the same open file (the bytes just
+    hashed), its identity and their sha256 to `then`."""
     before = blob.info.identity
     with _read_errors_are_damage(before):
         handle = blob.file()
         actual = sha256_of_file(handle)
         handle.seek(0)
-        try:
-            intact(handle)
-        except ValueError as exc:
-            raise DamagedFile(f"is damaged: {exc}", before) from None
-    return actual, _unchanged_identity(blob, handle, before)
+    return then(blob, handle, before, actual)
+
+
+def _checked_read(blob: OpenBlob, sha256: str,
+                  then: Callable[[OpenBlob, BinaryIO, FileIdentity], T]) -> T:
+    """Check the blob's bytes against sha256, then hand the open file to `then`."""
+    def checked(blob: OpenBlob, handle: BinaryIO, before: FileIdentity, actual: str) -> T:
+        if actual != sha256.lower():
+            raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
+                              "stored with", before)
+        return then(blob, handle, before)
+    return _hashed_read(blob, checked)
+
+
+def _adopted(blob: OpenBlob, intact: Callable[[BinaryIO], None]) -> tuple[str, FileIdentity]:
+    def adopt(blob: OpenBlob, handle: BinaryIO, before: FileIdentity,
+              actual: str) -> tuple[str, FileIdentity]:
+        with _read_errors_are_damage(before):
+            try:
+                intact(handle)
+            except ValueError as exc:
+                raise DamagedFile(f"is damaged: {exc}", before) from None
+        return actual, _unchanged_identity(blob, handle, before)
+    return _hashed_read(blob, adopt)
 
 
 def _unchanged_identity(blob: OpenBlob, _handle: BinaryIO, before: FileIdentity) -> FileIdentity:

@@ -22,8 +22,8 @@ from prometheus_client import Counter
 from proxy.core.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
 from proxy.core.executors import quick, quick_soon
 from proxy.core.redaction import mask_secrets
+from proxy.core.spool import GrowingFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
-from proxy.store.spool import GrowingFile
 from proxy.web.access_log import CACHE_RESULT_KEY
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ _FIND_ATTEMPTS = 3
 
 
 async def send_file(request: web.Request,
-                    find: Callable[[], Awaitable[BlobInfo | GrowingFile]],
+                    find: Callable[[], Awaitable[BlobInfo | GrowingFile[BlobInfo]]],
                     content_type: str, store: BlobStore,
                     served: Counter) -> web.StreamResponse:
     """What `find` returns: a stored blob (by sendfile when it is a local file), or a
@@ -79,7 +79,7 @@ async def send_file(request: web.Request,
                       "is too small for its load); try again")
 
 
-async def _stream(request: web.Request, source: GrowingFile, content_type: str,
+async def _stream(request: web.Request, source: GrowingFile[BlobInfo], content_type: str,
                   served: Counter) -> web.StreamResponse:
     streamed = web.StreamResponse(headers={"Content-Type": content_type})
     if source.size is not None:
