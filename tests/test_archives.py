@@ -48,8 +48,8 @@ async def test_store_publishes_verified_file(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
     blobs = DiskBlobStore(store)
     stored = await store_package(blobs, KEY, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
-    assert blobs.path_of(stored.key).read_bytes() == ZIP
-    assert stored.size == len(ZIP) and stored.sha256 == hashlib.sha256(ZIP).hexdigest()
+    assert blobs.path_of(stored.info.key).read_bytes() == ZIP
+    assert stored.info.size == len(ZIP) and stored.sha256 == hashlib.sha256(ZIP).hexdigest()
     assert await store.lookup(PARTS) == blobs.path_of(KEY)
     assert leftovers(tmp_path) == []
 
@@ -257,22 +257,6 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
         await failing
 
 
-async def test_fill_lock_serializes_fills_across_holders(tmp_path: Path) -> None:
-    store = ArchiveStore(tmp_path)
-    order: list[str] = []
-
-    async def fill(name: str, hold: float) -> None:
-        async with FillLock(store.lock_path("registry.terraform.io/x/y/1.0.0/linux_amd64")):
-            order.append(f"{name} in")
-            await asyncio.sleep(hold)
-            order.append(f"{name} out")
-
-    first = asyncio.create_task(fill("first", 0.2))
-    await asyncio.sleep(0.05)
-    await asyncio.gather(fill("second", 0), first)
-    assert order == ["first in", "first out", "second in", "second out"]
-
-
 async def test_h1_of_stored_hashes_only_the_signed_bytes(tmp_path: Path) -> None:
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     signed = hashlib.sha256(ZIP).hexdigest()
@@ -298,8 +282,8 @@ async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(
     signed = hashlib.sha256(ZIP).hexdigest()
     stored = await store_package(blobs, KEY, chunks(ZIP), signed)
     path = blobs.path_of(KEY)
-    assert stored.identity == identity_of(path.stat())  # publishing kept it
-    assert await verify_stored(blobs, KEY, signed) == stored.identity
+    assert stored.info.identity == identity_of(path.stat())  # publishing kept it
+    assert await verify_stored(blobs, KEY, signed) == stored.info.identity
 
     # Written to while it was read: what was hashed may not be what is there now.
     real = proxy.verification.stored_hashes.sha256_of_file
@@ -367,4 +351,4 @@ async def test_short_writes_are_completed_not_skipped(
     followed = b"".join([chunk async for chunk in growing.chunks()])
     stored = await fill
     assert followed == ZIP
-    assert blobs.path_of(stored.key).read_bytes() == ZIP
+    assert blobs.path_of(stored.info.key).read_bytes() == ZIP

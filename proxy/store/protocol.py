@@ -26,14 +26,6 @@ from proxy.store.file_identity import FileIdentity
 _UNSAFE_SEGMENT = re.compile(r"\.{0,2}|.*[\\\x00-\x1f].*", re.DOTALL)
 
 
-def check_key(key: str) -> str:
-    """key, if it is a safe store key (ValueError if not): relative, `/`-separated, and no
-    segment that a file system or an object store would read as something else."""
-    if not key or any(_UNSAFE_SEGMENT.fullmatch(part) for part in key.split("/")):
-        raise ValueError(f"unsafe store key {key!r}")
-    return key
-
-
 @dataclass(frozen=True)
 class BlobInfo:
     """A stored blob as a listing or a stat sees it."""
@@ -44,6 +36,14 @@ class BlobInfo:
     # Changes whenever the bytes are replaced (disk: device, inode, size, mtime; an object
     # store: derived from its ETag): index records keep it to tell "the blob we checked".
     identity: FileIdentity
+
+
+def check_key(key: str) -> str:
+    """key, if it is a safe store key (ValueError if not): relative, `/`-separated, and no
+    segment that a file system or an object store would read as something else."""
+    if not key or any(_UNSAFE_SEGMENT.fullmatch(part) for part in key.split("/")):
+        raise ValueError(f"unsafe store key {key!r}")
+    return key
 
 
 class OpenBlob(Protocol):

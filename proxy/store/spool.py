@@ -17,7 +17,6 @@ from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, slow
 from proxy.core.spool import GrowingFile
 from proxy.store.disk_space import is_out_of_space
-from proxy.store.file_identity import FileIdentity
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.usage import mark_in_use
 
@@ -26,23 +25,8 @@ from proxy.store.usage import mark_in_use
 class StoredArchive:
     """A verified provider package, published."""
 
-    info: BlobInfo
+    info: BlobInfo  # its identity as published: what a later hit compares against
     sha256: str
-
-    @property
-    def key(self) -> str:
-        """Where it is stored."""
-        return self.info.key
-
-    @property
-    def size(self) -> int:
-        """Its size in bytes."""
-        return self.info.size
-
-    @property
-    def identity(self) -> FileIdentity:
-        """As published: what a later hit compares against."""
-        return self.info.identity
 
 
 async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]:

@@ -90,7 +90,8 @@ class PackageFills:
         # The record that vouches for the file was saved (vouch); its h1 (a full read) now.
         await self._stored.record_h1(
             provider, version, platform,
-            replace(package, size=stored.size, stored_as=stored.identity), stored.key,
+            replace(package, size=stored.info.size, stored_as=stored.info.identity),
+            stored.info.key,
             holding_lock=True)
         return stored.info
 

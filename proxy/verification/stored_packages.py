@@ -123,9 +123,9 @@ class StoredPackages:
                     package: VerifiedPackage, stored: StoredArchive) -> None:
         """Record the size and identity of a zip just published (before its followers get
         its last byte)."""
-        self._checked.remember(stored.key, stored.identity)
-        await self._packages.save(provider, version, platform,
-                                  replace(package, size=stored.size, stored_as=stored.identity))
+        self._checked.remember(stored.info.key, stored.info.identity)
+        await self._packages.save(provider, version, platform, replace(
+            package, size=stored.info.size, stored_as=stored.info.identity))
 
     # --- h1 ----------------------------------------------------------------------------
 
