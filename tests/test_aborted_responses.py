@@ -26,7 +26,8 @@ from proxy.app import create_app
 from proxy.config import Config, load_config
 from proxy.store.archives import ArchiveStore
 from tests.support.fake_registry import FakeRegistry
-from tests.support.raw_http import RawAnswer, Served, raw_get, sample, served
+from tests.support.metrics import sample
+from tests.support.raw_http import RawAnswer, Served, raw_get, served
 
 BASE = "/mirror/registry.terraform.io/hashicorp/null"
 ZIP = "terraform-provider-null_3.2.1_linux_amd64.zip"

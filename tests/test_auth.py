@@ -19,7 +19,7 @@ from proxy.tls.state import StatePaths
 from proxy.web.auth import load_signing_key
 from proxy.web.url_signing import UrlSigner
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE, ZIP
+from tests.support.mirror_paths import BASE, ZIP
 
 TOKEN = "client-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

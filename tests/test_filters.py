@@ -12,7 +12,7 @@ from proxy.config import FiltersConfig, load_config
 from proxy.config.filters import Filters
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE
+from tests.support.mirror_paths import BASE
 
 
 def test_filter_rules() -> None:
