@@ -15,7 +15,7 @@ from tests.support.fake_registry import FakeRegistry
 from tests.support.mirror_paths import BASE
 
 
-def test_filter_rules() -> None:
+def test_filters_allow_and_exclude_by_pattern() -> None:
     filters = Filters(FiltersConfig(
         providers=("hashicorp/*", "registry.opentofu.org/acme/*"),
         exclude_providers=("*/random",), modules=("acme/*/aws",),

@@ -82,7 +82,7 @@ async def test_archive_is_fetched_once_verified_and_served_byte_for_byte(
         zip_h1(release.zips["linux_amd64"]), f"zh:{release.sha256('linux_amd64')}"]
 
 
-async def test_head_on_archive(client: TestClient) -> None:
+async def test_head_on_archive_gives_its_length(client: TestClient) -> None:
     response = await client.head(f"{BASE}/{ZIP}")
     assert response.status == 200
     assert int(response.headers["Content-Length"]) > 0
@@ -236,7 +236,7 @@ async def test_cache_survives_restart_and_serves_without_upstream(
     assert "linux_amd64" in (await document.json())["archives"]
 
 
-async def test_healthz_and_metrics(client: TestClient) -> None:
+async def test_healthz_answers_and_requests_are_counted(client: TestClient) -> None:
     response = await client.get("/healthz")
     assert response.status == 200
     assert response.headers["Server"] == "tf-registry-proxy"

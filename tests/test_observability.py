@@ -23,7 +23,7 @@ from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP
 
 
-async def test_readyz(client: TestClient) -> None:
+async def test_readyz_is_ready_with_a_writable_cache(client: TestClient) -> None:
     response = await client.get("/readyz")
     assert response.status == 200
     assert await response.json() == {"status": "ready"}
@@ -50,7 +50,8 @@ def test_access_log_masks_credentials(given: str, masked: str) -> None:
     assert mask_secrets(given) == masked
 
 
-def test_access_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+def test_access_log_lines_are_json_or_plain_with_masked_queries(
+        caplog: pytest.LogCaptureFixture) -> None:
     request = make_mocked_request("GET", "/mirror/x/y/z/a.zip?sig=secret")
     request[CACHE_RESULT_KEY] = "hit"
     response = web.Response(body=b"12345")
