@@ -14,9 +14,8 @@ from proxy.app import create_app
 from proxy.config import Config
 from proxy.store.memory import open_memory_storage
 from tests.support.fake_registry import FakeRegistry
+from tests.support.mirror_paths import BASE, ZIP, zip_h1
 
-BASE = "/mirror/registry.terraform.io/hashicorp/null"
-ZIP = "terraform-provider-null_3.2.1_linux_amd64.zip"
 TARBALL = "/modules/registry.terraform.io/acme/tarball/aws/1.0.0"
 
 
@@ -50,7 +49,7 @@ async def test_mirror_fills_verifies_and_serves_hits_from_memory(
     # The facts recorded at the fill (size, h1) are in the memory index: the document now
     # carries the h1 of the bytes that were checked.
     again = await (await memory_client.get(f"{BASE}/3.2.1.json")).json()
-    assert again["archives"]["linux_amd64"]["hashes"][0].startswith("h1:")
+    assert again["archives"]["linux_amd64"]["hashes"][0] == zip_h1(whole)
     assert stored_on_disk(proxy_config.cache.dir) == []
 
 
