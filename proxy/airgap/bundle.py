@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import diskcache
 import pysequoia
 
 from proxy.airgap.constraints import newest_matching
@@ -42,11 +41,8 @@ from proxy.airgap.manifest import (
 )
 from proxy.airgap.mirror_import import import_mirror
 from proxy.airgap.publish import (
-    CacheChanges,
     apply_changes,
-    cache_work,
     check_room,
-    existing_index,
     measure,
     plan_list,
     regular_sha256,
@@ -60,6 +56,13 @@ from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
 from proxy.store.disk import DiskBlobStore
+from proxy.store.disk_import import (
+    CacheChanges,
+    IndexReader,
+    cache_work,
+    existing_index,
+    open_index,
+)
 from proxy.upstream.documents import parse_sha256sums, without_upstream_urls
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
@@ -91,16 +94,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _index(config: Config) -> diskcache.Cache:
-    return diskcache.Cache(str(config.cache.dir / "index"))
-
-
 # --- export ----------------------------------------------------------------------------
 
-def _stored_packages(index: diskcache.Cache, store: DiskBlobStore
+def _stored_packages(index: IndexReader, store: DiskBlobStore
                      ) -> Iterator[tuple[ProviderAddress, str, Platform, dict[str, Any], Path]]:
-    for key in index.iterkeys():
-        named = layout.parse_package_record(key) if isinstance(key, str) else None
+    for key in index.keys(layout.PACKAGE_RECORDS):
+        named = layout.parse_package_record(key)
         if named is None:
             continue
         provider, version, platform = named
@@ -137,7 +136,7 @@ def export_bundle(config: Config, output: Path,
     """Write the cache (or what requirements select from it) as a tar bundle, its manifest
     signed by signer (None: unsigned)."""
     store = DiskBlobStore.at(config.cache.dir)
-    index = _index(config)
+    index = open_index(config.cache.dir)
     try:
         packages = list(_stored_packages(index, store))
         modules = list(_stored_modules(store))
@@ -329,7 +328,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
         staged = stage(tar, members, listed, staging)
         packages = [(entry, _verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
-        changes = CacheChanges(config.cache.dir / "index")
+        changes = CacheChanges(store)
         with existing_index(config.cache.dir) as index:
             old_packages = _plan_packages(changes, index, store, staged, packages)
             old_modules = _plan_modules(changes, index, store, staged, listed,
@@ -343,7 +342,7 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                   signed_by=signed_by, present=old_packages + old_modules)
 
 
-def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: DiskBlobStore,
+def _plan_packages(changes: CacheChanges, index: IndexReader | None, store: DiskBlobStore,
                    staged: dict[str, Path],
                    packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
     """Plan the packages' files and records; returns how many the cache already holds. What
@@ -364,16 +363,16 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
             changes.set_record(entry.sums_key, {
                 "sums": sums, "signature": staged[entry.signature].read_bytes(),
                 "signed_by": "", "url": ""})
-        final = store.path_of(entry.archive_key)
-        if isinstance(existing, dict) and regular_sha256(final) == package.shasum:
+        if isinstance(existing, dict) \
+                and regular_sha256(store.path_of(entry.archive_key)) == package.shasum:
             present += 1
             continue
-        changes.put_file(staged[entry.zip], final)
+        changes.put_file(staged[entry.zip], entry.archive_key)
         changes.set_record(entry.record_key, asdict(package))
     return present
 
 
-def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: DiskBlobStore,
+def _plan_modules(changes: CacheChanges, index: IndexReader | None, store: DiskBlobStore,
                   staged: dict[str, Path], listed: dict[str, tuple[int, str]],
                   modules: Sequence[ModuleEntry]) -> int:
     """Plan the module archives, the sha256 each is served and exported against, and their
@@ -382,15 +381,14 @@ def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: D
     present = 0
     for entry in modules:
         size, sha256 = listed[entry.archive]
-        final = store.path_of(entry.archive_key)
-        held = regular_sha256(final)
+        held = regular_sha256(store.path_of(entry.archive_key))
         if held == sha256:
             present += 1
         elif held is not None:
             raise BundleError(f"{entry.archive}: the cache holds a different module "
                               "archive under this name")
         else:
-            changes.put_file(staged[entry.archive], final)
+            changes.put_file(staged[entry.archive], entry.archive_key)
         record_key = layout.module_archive_record(entry.module, entry.version)
         if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
             # No identity yet: the first hit reads the archive once against this sha256.

@@ -17,11 +17,8 @@ from typing import Any
 
 from proxy.airgap.manifest import BundleError
 from proxy.airgap.publish import (
-    CacheChanges,
     apply_changes,
-    cache_work,
     check_room,
-    existing_index,
     file_sha256,
     measure,
     plan_list,
@@ -31,6 +28,7 @@ from proxy.config.settings import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
+from proxy.store.disk_import import CacheChanges, cache_work, existing_index
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.packages import VerifiedPackage
 
@@ -49,7 +47,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                "the directory's packages")
     documents: dict[Path, Any] = {}
     with cache_work(config.cache.dir) as store:
-        changes = CacheChanges(config.cache.dir / "index")
+        changes = CacheChanges(store)
         present = 0
         with existing_index(config.cache.dir) as index:
             for provider, version, platform, zip_path in found:
@@ -76,11 +74,11 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                     raise BundleError(f"{zip_path}: the cache holds a different package "
                                       "under this name")
                 filename = provider.archive_filename(version, platform)
-                final = store.path_of(layout.provider_archive(provider, version, platform))
-                if isinstance(existing, dict) and regular_sha256(final) == sha:
+                archive = layout.provider_archive(provider, version, platform)
+                if isinstance(existing, dict) and regular_sha256(store.path_of(archive)) == sha:
                     present += 1  # the same package, maybe with more facts: keep those
                     continue
-                changes.put_file(copy, final)
+                changes.put_file(copy, archive)
                 if not isinstance(existing, dict):
                     changes.set_record(key, asdict(VerifiedPackage(
                         filename, sha, h1, copy.stat().st_size)))

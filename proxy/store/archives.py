@@ -61,7 +61,7 @@ class ArchiveStore:
         self.disk = disk or DiskSpace(cache_dir)
         # Each process writes under its own locked directory, so that processes sharing the
         # cache (workers, or a restarted one) sweep only what dead processes left behind.
-        self.tmp_root = cache_dir / "tmp"
+        self.tmp_root = self.temp_root(cache_dir)
         self.tmp_root.mkdir(parents=True, exist_ok=True)
         # Made under a name sweepers leave alone, locked, then renamed: no other process
         # ever sees it unlocked.
@@ -79,6 +79,11 @@ class ArchiveStore:
         self.file_count = 0
         self._on_evict = on_evict
         self._touched: dict[Path, float] = {}
+
+    @staticmethod
+    def temp_root(cache_dir: Path) -> Path:
+        """Where the processes using cache_dir keep their temp directories and locks."""
+        return cache_dir / "tmp"
 
     def close(self) -> None:
         """Remove this process's temp directory (a clean shutdown)."""

@@ -35,6 +35,11 @@ _OPEN_FILES = Path("/proc/self/fd")
 _NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
 
 
+def index_dir(cache_dir: Path) -> Path:
+    """Where the index of the cache directory lives."""
+    return cache_dir / "index"
+
+
 def _info(key: str, identity: FileIdentity) -> BlobInfo:
     return BlobInfo(key, identity.size, identity.mtime_ns / 1e9, identity)
 
@@ -252,7 +257,7 @@ async def open_disk_storage(config: CacheConfig, metrics: Metrics,
     log.info("cache holds %d bytes of packages and modules", used)
     if config.max_size is not None and used > config.max_size:
         await blobs.files.evict()
-    index = MetadataCache(cache_dir / "index", disk)
+    index = MetadataCache(index_dir(cache_dir), disk)
     opened.callback(index.close)
     return Storage(blobs, index)
 
