@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy import __version__
-from proxy.airgap.bundle import (
-    export_bundle,
+from proxy.airgap.export import export_bundle
+from proxy.airgap.import_bundle import (
     import_bundle,
     import_mirror_directory,
     split_armored_keys,
