@@ -19,7 +19,6 @@ import diskcache
 
 from proxy.airgap.constraints import newest_matching
 from proxy.airgap.manifest import FORMAT, MANIFEST, SIGNATURE, BundleError, Counts, file_entry
-from proxy.airgap.publish import file_sha256
 from proxy.airgap.signing import ManifestSigner
 from proxy.airgap.sources import Requirement
 from proxy.config.settings import Config
@@ -28,6 +27,7 @@ from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import module_archive_key, recorded_sha256
 from proxy.store.archives import ArchiveStore
 from proxy.upstream.documents import without_upstream_urls
+from proxy.verification.hashes import sha256_of_path
 
 
 def _index(config: Config) -> diskcache.Cache:
@@ -98,7 +98,7 @@ def export_bundle(config: Config, output: Path,
             def add(member: str, path: Path | None = None, data: bytes | None = None,
                     stored_with: str | None = None, what: str = "") -> None:
                 if path is not None:
-                    digest = file_sha256(path)
+                    digest = sha256_of_path(path)
                     # Never sign a file damaged or altered on disk since it was stored.
                     if stored_with is not None and digest != stored_with.lower():
                         raise BundleError(

@@ -14,6 +14,7 @@ from pathlib import Path
 import diskcache
 import pysequoia
 
+from proxy.airgap import publish
 from proxy.airgap.entries import ModuleEntry, ProviderEntry, parse_contents
 from proxy.airgap.manifest import (
     MANIFEST,
@@ -28,23 +29,12 @@ from proxy.airgap.manifest import (
     stage,
 )
 from proxy.airgap.mirror_import import import_mirror
-from proxy.airgap.publish import (
-    CacheChanges,
-    apply_changes,
-    cache_work,
-    check_room,
-    existing_index,
-    file_sha256,
-    measure,
-    plan_list,
-    regular_sha256,
-)
 from proxy.config.settings import Config
 from proxy.core.errors import IntegrityError
 from proxy.protocols.module_registry import module_archive_key, recorded_sha256
 from proxy.store.archives import ArchiveStore
 from proxy.upstream.documents import parse_sha256sums
-from proxy.verification.hashes import h1_of_zip
+from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
 from proxy.verification.signatures import verify_detached
 
@@ -69,7 +59,7 @@ def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
     if parse_sha256sums(sums).get(entry.filename) != entry.shasum:
         raise BundleError(f"{entry.sums}: no matching line for {entry.filename}")
     zip_path = staged[entry.zip]
-    if file_sha256(zip_path) != entry.shasum:
+    if sha256_of_path(zip_path) != entry.shasum:
         raise BundleError(f"{entry.zip}: sha256 does not match the signed checksum")
     try:
         h1 = h1_of_zip(zip_path)
@@ -111,30 +101,30 @@ def _import_from(config: Config, tar: tarfile.TarFile,
     check_members(listed, members, max(config.upstream.max_archive_size,
                                         config.modules.max_archive_size))
     contents = parse_contents(manifest, listed)
-    check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
-               "the bundle's members")
-    with cache_work(config.cache.dir) as store:
+    publish.check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
+                       "the bundle's members")
+    with publish.cache_work(config.cache.dir) as store:
         staging = store.tmp / "import"
         staging.mkdir()
         staged = stage(tar, members, listed, staging)
         packages = [(entry, _verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
-        changes = CacheChanges(config.cache.dir / "index")
-        with existing_index(config.cache.dir) as index:
+        changes = publish.CacheChanges(config.cache.dir / "index")
+        with publish.existing_index(config.cache.dir) as index:
             old_packages = _plan_packages(changes, index, store, staged, packages)
             old_modules = _plan_modules(changes, index, store, staged, listed,
                                         contents.modules)
             for version_list in contents.versions:
-                plan_list(changes, index, f"versions/{version_list.provider}",
-                          list(version_list.entries), lambda v: v["version"])
-        apply_changes(changes)
-        measure(store, changes)
+                publish.plan_list(changes, index, f"versions/{version_list.provider}",
+                                  list(version_list.entries), lambda v: v["version"])
+        publish.apply_changes(changes)
+        publish.measure(store, changes)
     return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
                   signed_by=signed_by, present=old_packages + old_modules)
 
 
-def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
-                   staged: dict[str, Path],
+def _plan_packages(changes: publish.CacheChanges, index: diskcache.Cache | None,
+                   store: ArchiveStore, staged: dict[str, Path],
                    packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
     """Plan the packages' files and records; returns how many the cache already holds. What
     the cache holds stays: a different package under the same name refuses the bundle."""
@@ -155,7 +145,7 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
                 "sums": sums, "signature": staged[entry.signature].read_bytes(),
                 "signed_by": "", "url": ""})
         final = store.path_for(entry.archive_parts)
-        if isinstance(existing, dict) and regular_sha256(final) == package.shasum:
+        if isinstance(existing, dict) and publish.regular_sha256(final) == package.shasum:
             present += 1
             continue
         changes.put_file(staged[entry.zip], final)
@@ -163,9 +153,9 @@ def _plan_packages(changes: CacheChanges, index: diskcache.Cache | None, store: 
     return present
 
 
-def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: ArchiveStore,
-                  staged: dict[str, Path], listed: dict[str, tuple[int, str]],
-                  modules: Sequence[ModuleEntry]) -> int:
+def _plan_modules(changes: publish.CacheChanges, index: diskcache.Cache | None,
+                  store: ArchiveStore, staged: dict[str, Path],
+                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> int:
     """Plan the module archives, the sha256 each is served and exported against, and their
     version lists; returns how many the cache already holds. A different archive under the
     same name refuses the bundle."""
@@ -173,7 +163,7 @@ def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: A
     for entry in modules:
         size, sha256 = listed[entry.archive]
         final = store.path_for(entry.archive_parts)
-        held = regular_sha256(final)
+        held = publish.regular_sha256(final)
         if held == sha256:
             present += 1
         elif held is not None:
@@ -185,7 +175,8 @@ def _plan_modules(changes: CacheChanges, index: diskcache.Cache | None, store: A
         if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
             # No identity yet: the first hit reads the archive once against this sha256.
             changes.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
-        plan_list(changes, index, f"module-versions/{entry.module}", [entry.version], str)
+        publish.plan_list(changes, index, f"module-versions/{entry.module}", [entry.version],
+                          str)
     return present
 
 

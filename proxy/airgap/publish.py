@@ -7,7 +7,6 @@ room checked before copying, version lists merged."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -24,11 +23,11 @@ import diskcache
 from proxy.airgap.manifest import BundleError
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk_space import free_bytes
+from proxy.verification.hashes import sha256_of_path
 
 # diskcache's own files in the index directory; value files are anything else.
 _DATABASE = ("cache.db", "cache.db-wal", "cache.db-shm")
 log = logging.getLogger(__name__)
-_CHUNK = 1 << 20
 
 
 class CacheChanges:
@@ -222,15 +221,6 @@ def check_room(cache_dir: Path, needed: int, what: str) -> None:
                           f"({cache_dir}) has {free} bytes free")
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def regular_sha256(path: Path) -> str | None:
     """The sha256 of the file at path (None: nothing there; "": not a regular file)."""
     try:
@@ -238,7 +228,7 @@ def regular_sha256(path: Path) -> str | None:
             return ""
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return file_sha256(path)
+    return sha256_of_path(path)
 
 
 def plan_list(changes: CacheChanges, index: diskcache.Cache | None, record_key: str,
