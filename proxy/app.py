@@ -26,7 +26,9 @@ from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
+from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, auth_middleware, load_signing_key
 from proxy.web.middleware import SERVER_NAME, error_middleware, json_error_bodies
 from proxy.web.responses import remember_prepared
@@ -102,9 +104,13 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     discovery = Discovery(http, config.upstream, filters)
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
                                 config.upstream, metrics, filters)
-    mirror = ProviderMirror(packages, archives, config.upstream, metrics)
-    opened.push_async_callback(mirror.close)
-    app[REGISTRY_KEY] = ProviderRegistryService(packages, archives, config.upstream)
+    opened.push_async_callback(packages.close)
+    stored = StoredPackages(packages, archives, config.upstream)
+    opened.push_async_callback(stored.close)
+    fills = PackageFills(packages, stored, archives, config.upstream, metrics)
+    opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
+    mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics)
+    app[REGISTRY_KEY] = ProviderRegistryService(packages, stored)
     git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
     git_gate = EgressGate(egress, config.upstream.connect_timeout)
     opened.push_async_callback(git_gate.close)

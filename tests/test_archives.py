@@ -18,7 +18,8 @@ import pytest
 
 import proxy.verification.stored_hashes
 from proxy.core.errors import IntegrityError
-from proxy.store.archives import ArchiveStore, FillLock, GrowingFile
+from proxy.core.spool import GrowingFile
+from proxy.store.archives import ArchiveStore, FillLock
 from proxy.store.file_identity import identity_of
 from proxy.store.usage import UsageLedger
 from proxy.verification.hashes import h1_of_zip

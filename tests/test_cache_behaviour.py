@@ -17,9 +17,9 @@ from typing import Any, BinaryIO
 import pytest
 from aiohttp.test_utils import TestClient
 
-import proxy.protocols.network_mirror
 import proxy.store.archives
 import proxy.verification.stored_hashes
+import proxy.verification.stored_packages
 from proxy.config import load_config
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
@@ -132,13 +132,13 @@ async def test_a_zip_gone_while_its_fill_is_still_finishing_is_fetched_again(
     (evicted, dropped as damaged) gets a new fill, not the finished one's vanished file."""
     good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
     cache = Path(load_config(write_config(), environ={}).cache.dir)
-    real_h1 = proxy.protocols.network_mirror.h1_of_stored
+    real_h1 = proxy.verification.stored_packages.h1_of_stored
 
     async def slow_h1(*args: Any) -> str | None:
         await asyncio.sleep(0.5)
         return await real_h1(*args)
 
-    monkeypatch.setattr(proxy.protocols.network_mirror, "h1_of_stored", slow_h1)
+    monkeypatch.setattr(proxy.verification.stored_packages, "h1_of_stored", slow_h1)
     client = await make()
     assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
     next(cache.rglob(ZIP)).unlink()  # by another process, while the h1 pass runs

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,7 @@ from proxy.core.redaction import excerpt, mask_secrets
 from proxy.core.singleflight import SingleFlight
 from proxy.modules.packing import pack, read_packed, select_subdir, unpack
 from proxy.modules.sources import ModuleSource, UnsupportedSource, parse_source
-from proxy.store.archives import ArchiveStore, FillLock
-from proxy.store.disk_space import is_out_of_space
+from proxy.store.archives import ArchiveStore
 from proxy.store.file_identity import (
     FileIdentity,
     identity_from_record,
@@ -68,7 +69,7 @@ class ModuleRegistry:
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
             encode=list, decode=list, offline=config.upstream.offline)
-        self._archive_fills: SingleFlight[Path] = SingleFlight()
+        self._archive_fills: SingleFlight[Path] = SingleFlight(exclusive=self._fill_scope)
         self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
         self._checked = CheckedFiles()
 
@@ -150,7 +151,7 @@ class ModuleRegistry:
         try:
             checked = await self._read_again(module, version, path, identity, recorded)
         except DamagedFile as damage:
-            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
+            async with self._archives.fill_lock(_fill_key(module, version), "module"):
                 await self._drop_damaged(module, version, path, damage)
             if self._config.upstream.offline:
                 raise Offline(f"the stored archive of module {module} {version} was damaged, "
@@ -197,34 +198,27 @@ class ModuleRegistry:
         log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
                   "fetched again", damage.kind, module, version, damage.message)
 
-    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Task[Path]:
-        return self._archive_fills.start(("module", str(module), version),
-                                         lambda: self._logged_fill(module, version))
+    def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Future[Path]:
+        # One fill per module version, across the processes sharing the cache too.
+        return self._archive_fills.start(_fill_key(module, version),
+                                         lambda: self._fill(module, version))
 
-    async def _logged_fill(self, module: ModuleAddress, version: str) -> Path:
-        # Logged here, once per fill: a prefetch may have no client to report a failure to.
+    @asynccontextmanager
+    async def _fill_scope(self, key: Hashable) -> AsyncIterator[None]:
+        """What a module fill holds: its fill lock. Its failure is logged here, once per fill
+        and out of space already told apart: a prefetch may have no client to report it to."""
         try:
-            return await self._fill(module, version)
+            async with self._archives.fill_lock(str(key), "module"):
+                yield
         except ProxyError as exc:
             log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
-                    "module %s %s: fetching its source failed: %s", module, version,
-                    exc.message)
+                    "%s: fetching its source failed: %s", key, exc.message)
             raise
         except Exception:
-            log.exception("module %s %s: fetching its source failed", module, version)
+            log.exception("%s: fetching its source failed", key)
             raise
 
     async def _fill(self, module: ModuleAddress, version: str) -> Path:
-        # One fill per module version across the processes sharing the cache.
-        try:
-            async with FillLock(self._archives.lock_path(f"module/{module}/{version}")):
-                return await self._fill_locked(module, version)
-        except OSError as exc:  # the lock, the source, its tree or the archive found no room
-            if not is_out_of_space(exc):
-                raise
-            raise self._archives.disk.ran_out("module") from exc
-
-    async def _fill_locked(self, module: ModuleAddress, version: str) -> Path:
         parts = self._archive_parts(module, version)
         # Just published by another fill? (Not a file to check: it is replaced.)
         published = await self._stored(module, version, check=False)
@@ -279,6 +273,12 @@ class ModuleRegistry:
         await self._http.download(source.url, module.hostname, download, limit)
         await slow(unpack, download, source.archive, tree, limit)
         return tree
+
+
+def _fill_key(module: ModuleAddress, version: str) -> str:
+    """The identity of one module version: the key of its fill, in this process and across
+    the processes sharing the store."""
+    return f"module/{module}/{version}"
 
 
 def recorded_sha256(record: object) -> str | None:

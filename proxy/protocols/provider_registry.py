@@ -13,43 +13,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.config import UpstreamConfig
-from proxy.core.errors import IntegrityError, NotFound, Offline
-from proxy.core.executors import quick
+from proxy.core.errors import NotFound
 from proxy.core.models import Platform, ProviderAddress
-from proxy.store.archives import ArchiveStore
 from proxy.verification.packages import VerifiedPackages, sums_id
+from proxy.verification.stored_packages import StoredPackages
 
 
 class ProviderRegistryService:
     """Answers `providers.v1` requests for every allowed upstream host."""
 
-    def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
-                 config: UpstreamConfig) -> None:
+    def __init__(self, packages: VerifiedPackages, stored: StoredPackages) -> None:
         self._packages = packages
-        self._archives = archives
-        self._config = config
+        self._stored = stored
         self._filters = packages.filters
-
 
     async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
         """`:namespace/:type/versions`, with protocols and (allowed) platforms."""
         self._packages.require_served(provider)
-        entries = await self._packages.version_list(provider)
-        if self._config.offline:
-            held = await quick(
-                self._archives.versions_held, ["archives", provider.hostname,
-                                               provider.namespace, provider.type])
-            entries = [e for e in entries if e.version in held]
-            if not entries:
-                raise Offline(f"no version of {provider} is in the cache, and the proxy is "
-                              "offline")
+        entries = await self._stored.held_when_offline(
+            provider, await self._packages.version_list(provider))
         listed = []
         for entry in entries:
-            platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
-            if self._config.offline:  # only what the cache holds
-                platforms = [p for p in platforms if await self._archives.lookup(
-                    self._packages.archive_parts(provider, entry.version, p)) is not None]
+            platforms = await self._stored.platforms_held_when_offline(
+                provider, entry.version,
+                [p for p in entry.platforms if self._filters.platform_allowed(p)])
             listed.append({"version": entry.version, "protocols": list(entry.protocols),
                            "platforms": [{"os": p.os, "arch": p.arch} for p in platforms]})
         return {"versions": listed}
@@ -68,10 +55,7 @@ class ProviderRegistryService:
         package = await self._packages.package(provider, version, platform)
         if package.document is None or package.sums_id is None:
             # Facts recorded by an older release of the proxy: fetch the document again.
-            info = await self._packages.registry.download_info(provider, version, platform)
-            if (info.filename, info.shasum) != (package.filename, package.shasum):
-                raise IntegrityError("changed", f"upstream now describes {provider} "
-                                     f"{version} {platform.key} differently")
+            info, _current = await self._packages.current_download(provider, version, platform)
             await self._packages.signed_sums(provider, version, info)
             return dict(info.document), sums_id(info.shasums_url)
         return dict(package.document), package.sums_id

@@ -1,13 +1,12 @@
 """Artifact file store: a file is written to a temp file under `<cache>/tmp` and renamed into
 place only once verified, so a partial or corrupt file is never visible. Readers may follow
-a download while it is written (GrowingFile). The store also keeps the cache within its size
-limit, least recently used first, counting what every process sharing the directory wrote
+a download while it is written (proxy.core.spool). The store also keeps the cache within its
+size limit, least recently used first, counting what every process sharing the directory wrote
 and never deleting a file that any of them is sending. A file's access time is its LRU
 clock; its modification time stays that of its bytes (see proxy.store.file_identity)."""
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import hashlib
 import logging
@@ -20,13 +19,13 @@ import time
 import uuid
 import zipfile
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
     Iterator,
     Sequence,
 )
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -36,6 +35,7 @@ import aiofiles.os
 
 from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, quick_soon, slow
+from proxy.core.spool import GrowingFile
 from proxy.store.disk_space import DiskSpace, is_out_of_space
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.usage import (
@@ -49,8 +49,6 @@ from proxy.store.usage import (
 
 log = logging.getLogger(__name__)
 
-# Followers of a download read in pieces this large: memory per client stays small.
-_CHUNK = 256 << 10
 _AREAS = ("archives", "modules")
 # Uses are recorded on the files' access time, at most this often per file.
 _TOUCH_INTERVAL = 60.0
@@ -72,82 +70,6 @@ class StoredArchive:
     size: int
     sha256: str
     identity: FileIdentity  # as published: what a later hit compares against
-
-
-class GrowingFile:
-    """A download under way: readers follow the temp file as it grows, and learn at the end
-    whether it verified (then it was published) or not (then they must abort)."""
-
-    def __init__(self, temp: Path, size: int | None) -> None:
-        self.temp = temp
-        self.size = size
-        self.written = 0
-        self.final: Path | None = None
-        self.error: BaseException | None = None
-        self._changed = asyncio.Event()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def advance(self, count: int) -> None:
-        """More bytes are on disk."""
-        self.written += count
-        self._wake()
-
-    def complete(self, final: Path) -> None:
-        """Verified and published at final."""
-        self.final = final
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        """Not verified: nothing was published."""
-        self.error = error
-        self._wake()
-
-    @property
-    def done(self) -> bool:
-        """Whether the download ended, either way."""
-        return self.final is not None or self.error is not None
-
-    async def wait_done(self) -> Path:
-        """The published file, once there; raises the fill's error."""
-        while not self.done:
-            await self._changed.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.final is not None
-        return self.final
-
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Every byte of the file as it arrives; raises at the end if it did not verify. The
-        last byte is held back until the file verified, so a reader of a bad download never
-        receives a complete body."""
-        try:
-            handle = await aiofiles.open(self.temp, "rb")
-        except FileNotFoundError:
-            # Already renamed into place (or removed after a failure).
-            handle = await aiofiles.open(await self.wait_done(), "rb")
-        mark_in_use(handle.fileno())  # the same file once published: eviction skips it
-        offset = 0
-        try:
-            while True:
-                changed = self._changed
-                if self.error is not None:
-                    raise self.error
-                readable = self.written if self.final is not None else self.written - 1
-                if offset < readable:
-                    data = await handle.read(min(_CHUNK, readable - offset))
-                    if not data:
-                        raise OSError("temp file shorter than reported")
-                    offset += len(data)
-                    yield data
-                    continue
-                if self.final is not None:
-                    return
-                await changed.wait()
-        finally:
-            await handle.close()
 
 
 class ArchiveStore:
@@ -300,6 +222,25 @@ class ArchiveStore:
     def temp_file(self) -> Path:
         """A fresh temp file name (not created)."""
         return self.tmp / f"{uuid.uuid4().hex}.part"
+
+    async def spool(self, size: int | None) -> GrowingFile:
+        """A fresh, empty temp file that readers may follow while a fill writes it (their
+        handles are marked in use, as for a stored file)."""
+        spool = GrowingFile(self.temp_file(), size, mark_in_use)
+        await quick(spool.temp.touch)
+        return spool
+
+    @asynccontextmanager
+    async def fill_lock(self, key: str, what: str) -> AsyncIterator[None]:
+        """Hold the cross-process lock of one artifact's fill (or drop); running out of room
+        (for the lock file, a temp file, the published file) is reported as what's."""
+        try:
+            async with FillLock(self.lock_path(key)):
+                yield
+        except OSError as exc:
+            if not is_out_of_space(exc):
+                raise
+            raise self.disk.ran_out(what) from exc
 
     def work_dir(self) -> Path:
         """A fresh, empty work directory; the caller removes it (or the next start does)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from proxy.upstream.documents import (
     parse_sha256sums,
     without_upstream_urls,
 )
+from proxy.upstream.http import Download
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.signatures import verify_detached
 
@@ -58,7 +60,7 @@ class VerifiedPackages:
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataCache,
                  config: UpstreamConfig, metrics: Metrics, filters: Filters) -> None:
-        self.registry = registry
+        self._registry = registry
         self.filters = filters
         self._cache = cache
         self._config = config
@@ -85,7 +87,7 @@ class VerifiedPackages:
                            wanted: str | None = None) -> list[VersionEntry]:
         """Upstream's version list (refreshed early when `wanted` is not in it)."""
         return await self._versions.get(
-            f"versions/{provider}", lambda: self.registry.list_versions(provider),
+            f"versions/{provider}", lambda: self._registry.list_versions(provider),
             knows=None if wanted is None else
             (lambda entries: any(e.version == wanted for e in entries)))
 
@@ -95,6 +97,22 @@ class VerifiedPackages:
             if entry.version == version:
                 return entry
         raise NotFound(f"{provider} has no version {version}")
+
+    async def current_download(self, provider: ProviderAddress, version: str,
+                               platform: Platform) -> tuple[DownloadInfo, VerifiedPackage]:
+        """A fresh download document (its URL may be short-lived) and the verified facts,
+        which it must still agree with."""
+        info = await self._registry.download_info(provider, version, platform)
+        package = await self.package(provider, version, platform, info)
+        if (info.filename, info.shasum) != (package.filename, package.shasum):
+            raise self.integrity("changed", f"upstream now describes {provider} {version} "
+                                 f"{platform.key} differently from what it signed before")
+        return info, package
+
+    def open_package(self, provider: ProviderAddress, info: DownloadInfo,
+                     max_bytes: int) -> AbstractAsyncContextManager[Download]:
+        """Stream the package zip from the URL of a current download document."""
+        return self._registry.open_package(provider, info.download_url, max_bytes)
 
     @staticmethod
     def package_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
@@ -132,7 +150,7 @@ class VerifiedPackages:
         if record is not None:
             return _package_from_record(record)
         if info is None:
-            info = await self.registry.download_info(provider, version, platform)
+            info = await self._registry.download_info(provider, version, platform)
         sums = parse_sha256sums(await self.signed_sums(provider, version, info))
         listed = sums.get(info.filename)
         if listed is None:
@@ -170,7 +188,7 @@ class VerifiedPackages:
         record = await self._cache.get(key)  # a fill that finished since the caller looked
         if record is not None:
             return bytes(record["sums"])
-        sums, signature = await self.registry.shasums(provider, info)
+        sums, signature = await self._registry.shasums(provider, info)
         if not info.signing_keys and provider.hostname in UNSIGNED_ALLOWED_HOSTS:
             log.warning("%s publishes %s without signing keys; accepted for this host only",
                         provider.hostname, provider)

@@ -112,26 +112,9 @@ def _open_stored(path: Path) -> BinaryIO | None:
                           _identity_of(path)) from None
 
 
-def _checked_read(path: Path, sha256: str,
-                  then: Callable[[Path, BinaryIO, FileIdentity], T]) -> T | None:
-    """Open the file, check its bytes against sha256, then hand the same open file (the
-    bytes just checked) to `then`. None when the file is gone."""
-    handle = _open_stored(path)
-    if handle is None:
-        return None
-    with handle:
-        before = identity_of(os.fstat(handle.fileno()))
-        with _read_errors_are_damage(before):
-            actual = sha256_of_file(handle)
-        if actual != sha256.lower():
-            raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
-                              "stored with", before)
-        handle.seek(0)
-        return then(path, handle, before)
-
-
-def _adopted(path: Path, intact: Callable[[BinaryIO], None]
-             ) -> tuple[str, FileIdentity] | None:
+def _hashed_read(path: Path, then: Callable[[Path, BinaryIO, FileIdentity, str], T]) -> T | None:
+    """Open the stored file, hash its bytes, rewind, then hand the same open file (the bytes
+    just hashed), its identity and their sha256 to `then`. None when the file is gone."""
     handle = _open_stored(path)
     if handle is None:
         return None
@@ -140,11 +123,31 @@ def _adopted(path: Path, intact: Callable[[BinaryIO], None]
         with _read_errors_are_damage(before):
             actual = sha256_of_file(handle)
             handle.seek(0)
+        return then(path, handle, before, actual)
+
+
+def _checked_read(path: Path, sha256: str,
+                  then: Callable[[Path, BinaryIO, FileIdentity], T]) -> T | None:
+    """Check the file's bytes against sha256, then hand the open file to `then`."""
+    def checked(path: Path, handle: BinaryIO, before: FileIdentity, actual: str) -> T:
+        if actual != sha256.lower():
+            raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
+                              "stored with", before)
+        return then(path, handle, before)
+    return _hashed_read(path, checked)
+
+
+def _adopted(path: Path, intact: Callable[[BinaryIO], None]
+             ) -> tuple[str, FileIdentity] | None:
+    def adopt(path: Path, handle: BinaryIO, before: FileIdentity,
+              actual: str) -> tuple[str, FileIdentity]:
+        with _read_errors_are_damage(before):
             try:
                 intact(handle)
             except ValueError as exc:
                 raise DamagedFile(f"is damaged: {exc}", before) from None
         return actual, _unchanged_identity(path, handle, before)
+    return _hashed_read(path, adopt)
 
 
 def _unchanged_identity(_path: Path, handle: BinaryIO, before: FileIdentity) -> FileIdentity:

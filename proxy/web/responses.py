@@ -22,7 +22,8 @@ from prometheus_client import Counter
 from proxy.core.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
 from proxy.core.executors import quick, quick_soon
 from proxy.core.redaction import mask_secrets
-from proxy.store.archives import ArchiveStore, GrowingFile
+from proxy.core.spool import GrowingFile
+from proxy.store.archives import ArchiveStore
 from proxy.web.access_log import CACHE_RESULT_KEY
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,98 @@
+"""Provider package fills: on a miss, one download per package (across processes: under its
+fill lock), detached from the clients that asked, streamed to them while it is written,
+checked against the signed SHA256SUMS, then published, with the record that vouches for it
+saved before the last byte reaches anyone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from proxy.config import UpstreamConfig
+from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.executors import quick
+from proxy.core.metrics import Metrics
+from proxy.core.models import Platform, ProviderAddress
+from proxy.core.redaction import mask_secrets
+from proxy.core.singleflight import Offer, SingleFlight
+from proxy.core.spool import GrowingFile
+from proxy.store.archives import ArchiveStore
+from proxy.verification.packages import VerifiedPackages
+from proxy.verification.stored_packages import StoredPackages, fill_key
+
+log = logging.getLogger(__name__)
+
+
+class PackageFills:
+    """Fetches, verifies and stores provider packages that are not held yet."""
+
+    def __init__(self, packages: VerifiedPackages, stored: StoredPackages,
+                 archives: ArchiveStore, config: UpstreamConfig, metrics: Metrics) -> None:
+        self._packages = packages
+        self._stored = stored
+        self._archives = archives
+        self._max_size = config.max_archive_size
+        self._metrics = metrics
+        self._flights: SingleFlight[Path | GrowingFile] = SingleFlight(
+            exclusive=lambda key: archives.fill_lock(str(key), "package"))
+        self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
+
+    async def close(self) -> None:
+        """Stop fills under way (shutdown); their temp files are swept at the next start."""
+        await self._flights.cancel_all()
+
+    async def archive(self, provider: ProviderAddress, version: str,
+                      platform: Platform) -> Path | GrowingFile:
+        """The package as soon as it can be read: the file a fill just published, or the
+        download under way (shared by every caller), which is published only once verified.
+        A fill still finishing (its h1 pass) whose file the caller just did not find has
+        lost it since (evicted, dropped as damaged): a new fill starts."""
+        return await self._flights.run_streaming(
+            fill_key(provider, version, platform),
+            lambda offer: self._fill(provider, version, platform, offer), stale=_published)
+
+    async def _fill(self, provider: ProviderAddress, version: str, platform: Platform,
+                    offer: Offer[Path | GrowingFile]) -> Path | GrowingFile:
+        # Just published by another fill? (Not a file to check: it is replaced.)
+        published = await self._stored.stored(provider, version, platform, check=False)
+        if published is not None:
+            return published
+        entry = await self._packages.version_entry(provider, version)
+        if platform not in entry.platforms:
+            raise NotFound(f"{provider} {version} is not published for {platform.key}")
+        info, package = await self._packages.current_download(provider, version, platform)
+        async with self._fill_slots:
+            self._metrics.fills_in_flight.inc()
+            try:
+                log.info("fetching %s %s %s from %s", provider, version, platform.key,
+                         mask_secrets(info.download_url))  # may be a presigned URL
+                async with self._packages.open_package(provider, info,
+                                                       self._max_size) as download:
+                    if download.size is not None:  # cannot fit: a 507 before any headers
+                        await quick(self._archives.disk.require_room, "package", download.size)
+                    spool = await self._archives.spool(download.size)
+                    offer(spool)
+                    try:
+                        stored = await self._archives.store(
+                            self._packages.archive_parts(provider, version, platform),
+                            download.chunks, package.shasum, spool,
+                            lambda stored: self._stored.vouch(provider, version, platform,
+                                                              package, stored))
+                    except IntegrityError as exc:
+                        raise self._packages.integrity(exc.kind, f"{provider} {version} "
+                                                       f"{platform.key}: {exc.message}") from None
+            finally:
+                self._metrics.fills_in_flight.dec()
+        # The record that vouches for the file was saved (vouch); its h1 (a full read) now.
+        await self._stored.record_h1(
+            provider, version, platform,
+            replace(package, size=stored.size, stored_as=stored.identity), stored.path,
+            holding_lock=True)
+        return stored.path
+
+
+def _published(source: Path | GrowingFile) -> bool:
+    """Whether the fill that handed out source already published its file."""
+    return not isinstance(source, GrowingFile) or source.final is not None

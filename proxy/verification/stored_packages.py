@@ -1,0 +1,196 @@
+"""Verified provider packages as the store holds them: which versions and platforms are held,
+whether a stored zip is still the file whose bytes were checked, its h1, and dropping a zip
+found damaged. Shared by the network mirror, the registry protocol and the archive fills."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
+from pathlib import Path
+
+from proxy.config import UpstreamConfig
+from proxy.core.errors import Offline
+from proxy.core.executors import quick
+from proxy.core.models import Platform, ProviderAddress
+from proxy.store.archives import ArchiveStore, StoredArchive
+from proxy.store.file_identity import FileIdentity
+from proxy.upstream.documents import VersionEntry
+from proxy.verification.packages import VerifiedPackage, VerifiedPackages
+from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, h1_of_stored
+
+log = logging.getLogger(__name__)
+
+
+def fill_key(provider: ProviderAddress, version: str, platform: Platform) -> str:
+    """The identity of one package (origin host, namespace, type, version, os, arch): the
+    key of its fill, in this process and across the processes sharing the store."""
+    return f"{provider}/{version}/{platform.key}"
+
+
+class StoredPackages:
+    """The stored zips of verified packages, and what is recorded about each file."""
+
+    def __init__(self, packages: VerifiedPackages, archives: ArchiveStore,
+                 config: UpstreamConfig) -> None:
+        self._packages = packages
+        self._archives = archives
+        self._offline = config.offline
+        self._checked = CheckedFiles()
+
+    async def close(self) -> None:
+        """Stop checks under way (shutdown)."""
+        await self._checked.close()
+
+    def fill_lock(self, provider: ProviderAddress, version: str,
+                  platform: Platform) -> AbstractAsyncContextManager[None]:
+        """One fill (or drop) of the package at a time, across the processes sharing the
+        store."""
+        return self._archives.fill_lock(fill_key(provider, version, platform), "package")
+
+    # --- what is held (offline answers) ------------------------------------------------
+
+    async def held_when_offline(self, provider: ProviderAddress,
+                                entries: list[VersionEntry]) -> list[VersionEntry]:
+        """Offline, only the versions with a stored package (a constraint then resolves to a
+        version we have; Offline if there is none); online, all of them."""
+        if not self._offline:
+            return entries
+        held = await quick(self._archives.versions_held, ["archives", provider.hostname,
+                                                          provider.namespace, provider.type])
+        entries = [e for e in entries if e.version in held]
+        if not entries:
+            raise Offline(f"no version of {provider} is in the cache, and the proxy is offline")
+        return entries
+
+    async def platforms_held_when_offline(self, provider: ProviderAddress, version: str,
+                                          platforms: list[Platform]) -> list[Platform]:
+        """Offline, only the platforms whose package is stored; online, all of them."""
+        if not self._offline:
+            return platforms
+        return [p for p in platforms if await self._archives.lookup(
+            self._packages.archive_parts(provider, version, p)) is not None]
+
+    # --- stored files ------------------------------------------------------------------
+
+    async def stored(self, provider: ProviderAddress, version: str, platform: Platform,
+                     check: bool = True) -> Path | None:
+        """The stored zip, only if a verified record vouches for it (a file that is on disk
+        without one, e.g. after the index was lost, is fetched and checked again), and only
+        while it is the file whose bytes were checked: one that was written to since is read
+        again first (check; without it, under the fill lock, it is just not used), and
+        dropped if it is not the signed package."""
+        found = self._archives.path_for(self._packages.archive_parts(provider, version,
+                                                                     platform))
+        identity = await self._archives.identity(found)
+        if identity is None:
+            return None
+        if self._checked.seen(found, identity):  # the common hit: one stat, no index read
+            return found
+        package = await self._packages.stored_facts(provider, version, platform)
+        if package is None or package.size != identity.size:
+            log.warning("%s is on disk without a matching verified record; fetching it again",
+                        found)
+            return None
+        if package.stored_as == identity:
+            self._checked.remember(found, identity)
+            return found
+        if not check:
+            return None
+        # Written to, replaced or restored since its bytes were checked (or checked before
+        # identities were recorded): read it again before a client gets it.
+        try:
+            checked = await self._checked.verify(found, identity, package.shasum)
+        except DamagedFile as damage:
+            await self._drop_damaged(provider, version, platform, found, damage)
+            return None
+        if checked is not None:
+            await self._record_identity(provider, version, platform, package, checked)
+        return found if checked is not None else None
+
+    async def _record_identity(self, provider: ProviderAddress, version: str,
+                               platform: Platform, package: VerifiedPackage,
+                               identity: FileIdentity) -> None:
+        """Note which file now holds the checked bytes, so that other processes (and the
+        next start) need not read it again."""
+        current = await self._packages.stored_facts(provider, version, platform)
+        if current is not None and (current.shasum, current.size) == (package.shasum,
+                                                                       identity.size):
+            await self._packages.save(provider, version, platform,
+                                      replace(current, stored_as=identity))
+
+    async def vouch(self, provider: ProviderAddress, version: str, platform: Platform,
+                    package: VerifiedPackage, stored: StoredArchive) -> None:
+        """Record the size and identity of a zip just published (before its followers get
+        its last byte)."""
+        self._checked.remember(stored.path, stored.identity)
+        await self._packages.save(provider, version, platform,
+                                  replace(package, size=stored.size, stored_as=stored.identity))
+
+    # --- h1 ----------------------------------------------------------------------------
+
+    async def with_h1(self, provider: ProviderAddress, version: str, platform: Platform,
+                      package: VerifiedPackage) -> VerifiedPackage:
+        """The facts with the h1 filled in from the stored zip if it is missing (lost when a
+        crash hit between publishing the file and recording its hash)."""
+        if package.h1 is not None:
+            return package
+        path = await self._archives.lookup(self._packages.archive_parts(provider, version,
+                                                                        platform))
+        if path is None:
+            return package
+        return await self.record_h1(provider, version, platform, package, path)
+
+    async def record_h1(self, provider: ProviderAddress, version: str, platform: Platform,
+                        package: VerifiedPackage, path: Path,
+                        holding_lock: bool = False) -> VerifiedPackage:
+        """Compute the h1 of the stored zip at path from bytes that match the signed checksum
+        (a full read), record it and return the facts with it. A stored zip that is not the
+        signed package is dropped instead: no h1, no size, fetched again when next asked
+        for. holding_lock: the caller holds the package's fill lock (a fill)."""
+        try:
+            h1 = await h1_of_stored(path, package.shasum)
+        except DamagedFile as damage:  # changed on disk since it was checked
+            await self._drop_damaged(provider, version, platform, path, damage, holding_lock)
+            return replace(package, size=None)
+        if h1 is None:
+            return package
+        # Re-read: a fill may have recorded the size meanwhile (the same bytes: same h1).
+        current = await self._packages.stored_facts(provider, version, platform)
+        if current is not None and current.shasum == package.shasum:
+            package = current
+        package = replace(package, h1=h1)
+        await self._packages.save(provider, version, platform, package)
+        return package
+
+    # --- damage ------------------------------------------------------------------------
+
+    async def _drop_damaged(self, provider: ProviderAddress, version: str, platform: Platform,
+                            path: Path, damage: DamagedFile, holding_lock: bool = False) -> None:
+        """Drop a damaged stored zip under the package's fill lock; offline, that leaves
+        nothing to serve (Offline)."""
+        if holding_lock:
+            await self._drop_locked(provider, version, platform, path, damage)
+        else:
+            async with self.fill_lock(provider, version, platform):
+                await self._drop_locked(provider, version, platform, path, damage)
+        if self._offline:
+            raise Offline(f"the stored package {provider} {version} {platform.key} was "
+                          "damaged, and the proxy is offline")
+
+    async def _drop_locked(self, provider: ProviderAddress, version: str, platform: Platform,
+                           path: Path, damage: DamagedFile) -> None:
+        """Delete a damaged stored zip and the facts recorded about the file (size, h1; the
+        signed facts stay), then count and log it: once, by whoever deletes it."""
+        self._checked.forget(path)
+        what = f"{provider} {version} {platform.key}: the stored file {damage.message}"
+        if not await self._archives.discard(path, damage.identity):
+            # Gone, or replaced since it was read (by whoever dropped it first, then a fill):
+            # counted by whoever dropped it; the facts are not about this file.
+            log.info("%s; already dropped or replaced", what)
+            return
+        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again")
+        record = await self._packages.stored_facts(provider, version, platform)
+        if record is not None:
+            await self._packages.save(provider, version, platform,
+                                      replace(record, h1=None, size=None, stored_as=None))
