@@ -7,6 +7,8 @@ import hashlib
 import io
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -16,6 +18,7 @@ from typing import Any, BinaryIO
 import aiofiles.threadpool
 import pytest
 
+import proxy
 import proxy.verification.stored_hashes
 from proxy.core.errors import IntegrityError
 from proxy.core.spool import GrowingFile
@@ -83,7 +86,35 @@ def test_sweep_removes_what_dead_processes_left_and_spares_live_ones(tmp_path: P
     assert not dead.exists()
     assert young.exists()
     live.close()
-    assert mine.sweep_temp() == 0 or not live.tmp.exists()
+    assert not live.tmp.exists()  # a clean shutdown removes its own files...
+    assert mine.sweep_temp() == 0  # ...so the sweep finds nothing more to remove
+
+
+def test_sweep_removes_a_killed_process_files_only_once_it_is_dead(tmp_path: Path) -> None:
+    """The lock that marks a temp directory live is held by another process, not this one."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n"
+         "from pathlib import Path\n"
+         "from proxy.store.archives import ArchiveStore\n"
+         "store = ArchiveStore(Path(sys.argv[1]))\n"
+         "(store.tmp / 'busy.part').write_bytes(b'in progress')\n"
+         "print(store.tmp, flush=True)\n"
+         "sys.stdin.read()\n", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(proxy.__file__).resolve().parents[1])})
+    try:
+        assert other.stdout is not None
+        theirs = Path(other.stdout.readline().strip())
+        mine = ArchiveStore(tmp_path)
+        assert (theirs / "busy.part").exists()
+        assert mine.sweep_temp() == 0
+        assert (theirs / "busy.part").exists()
+    finally:
+        other.kill()  # no clean shutdown: its directory stays behind, unlocked
+        other.wait()
+    assert (theirs / "busy.part").exists()
+    assert mine.sweep_temp() == 1
+    assert not theirs.exists()
 
 
 @pytest.mark.parametrize("parts", [["..", "x"], ["a/b"], [""], ["ok", "."], ["a\\b"], []])

@@ -19,13 +19,13 @@ from proxy.tls.state import StatePaths
 from proxy.web.auth import load_signing_key
 from proxy.web.url_signing import UrlSigner
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE, ZIP
+from tests.support.mirror_paths import BASE, ZIP
 
 TOKEN = "client-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def test_url_signer() -> None:
+def test_signed_urls_hold_only_for_their_path_key_and_lifetime() -> None:
     signer = UrlSigner(b"k" * 32, ttl=60)
     query = parse_qs(signer.query("/a/b.zip", now=1000))
     expires, sig = query["expires"][0], query["sig"][0]
@@ -39,7 +39,7 @@ def test_url_signer() -> None:
     assert not UrlSigner(b"x" * 32, 60).valid("/a/b.zip", expires, sig, now=1000)
 
 
-def test_auth_config(tmp_path: Path) -> None:
+def test_tokens_load_from_a_file_and_short_ones_are_refused(tmp_path: Path) -> None:
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text(f"# CI runners\n{TOKEN}\n\nsecond-token-abcdefghij\n")
     path = tmp_path / "c.toml"

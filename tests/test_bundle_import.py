@@ -312,6 +312,7 @@ def test_running_proxies_count_what_an_import_added(tmp_path: Path,
     import_bundle(config, exported.partial, None)
     stored = [p for area in ("archives", "modules")
               for p in (config.cache.dir / area).rglob("*") if p.is_file()]
+    assert stored  # else the totals below are 0 == 0
     usage = UsageLedger(config.cache.dir / "tmp" / "locks" / "usage.lock").peek()
     assert usage is not None
     assert (usage.bytes, usage.files) == (sum(p.stat().st_size for p in stored), len(stored))

@@ -283,7 +283,7 @@ def test_serve_with_a_damaged_url_signing_key_says_which_file_and_exits_2(
     assert key.read_bytes() == b"torn"  # never replaced behind the operator's back
 
 
-def test_healthcheck(tmp_path: Path) -> None:
+def test_healthcheck_fails_until_the_server_answers_and_ignores_proxies(tmp_path: Path) -> None:
     port = free_port()
     env = {"XDG_CACHE_HOME": str(tmp_path), "TF_REGISTRY_PROXY_SERVER_LISTEN": f"[::]:{port}"}
     assert run_cli("healthcheck", env=env).returncode == 1  # nothing runs yet

@@ -33,7 +33,7 @@ def test_no_file_means_defaults() -> None:
     assert config.server.shutdown_timeout == 30
 
 
-def test_shutdown_timeout(tmp_path: Path) -> None:
+def test_shutdown_timeout_is_read_and_checked(tmp_path: Path) -> None:
     path = write(tmp_path, "[server]\nshutdown_timeout = 2.5\n")
     assert load_config(path, environ={}).server.shutdown_timeout == 2.5
     environ = {"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": "7"}
@@ -44,7 +44,7 @@ def test_shutdown_timeout(tmp_path: Path) -> None:
         assert caught.value.problems[0].startswith("server.shutdown_timeout: expected a "), bad
 
 
-def test_full_file(tmp_path: Path, upstream_ca_file: Path) -> None:
+def test_every_setting_of_a_full_file_is_read(tmp_path: Path, upstream_ca_file: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_bytes(upstream_ca_file.read_bytes())
     (tmp_path / "c.pem").write_text("")
@@ -110,7 +110,7 @@ def test_invalid_toml_is_one_clear_problem(tmp_path: Path) -> None:
     assert "invalid TOML" in caught.value.problems[0]
 
 
-def test_missing_file(tmp_path: Path) -> None:
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.toml", environ={})
 
@@ -135,7 +135,7 @@ def test_environment_overrides_and_config_path(tmp_path: Path) -> None:
     (1024, 1024), ("1024", 1024), ("2KiB", 2048), ("3 MB", 3_000_000), ("1GiB", 2**30),
     ("x", None), (True, None), ("1.5GiB", None),
 ])
-def test_parse_size(text: object, expected: int | None) -> None:
+def test_sizes_parse_with_units_and_nonsense_is_refused(text: object, expected: int | None) -> None:
     assert parse_size(text) == expected
 
 

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import http.client
-import ssl
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.fake_registry import FakeRegistry
+from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
+from tests.support.mirror_paths import archive_path
 from tests.support.proxy_process import ProxyProcess, free_port
-
-PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
-
-
-def fetch(proxy: ProxyProcess, platform: str) -> bytes:
-    context = ssl.create_default_context(cafile=str(proxy.ca_file))
-    url = (f"{proxy.url}mirror/registry.terraform.io/hashicorp/null/"
-           f"terraform-provider-null_3.2.1_{platform}.zip")
-    with urllib.request.urlopen(url, context=context, timeout=30) as response:
-        return bytes(response.read())
 
 
 def test_sigkill_during_fills_then_restart_is_clean(
@@ -36,12 +25,12 @@ def test_sigkill_during_fills_then_restart_is_clean(
 
     def doomed(platform: str) -> None:
         try:
-            fetch(proxy, platform)
+            proxy.get(archive_path(platform))
             completed.append(platform)
         except (OSError, http.client.HTTPException):
             pass  # the proxy dies under it: the body is cut short
 
-    clients = [threading.Thread(target=doomed, args=(p,)) for p in PLATFORMS]
+    clients = [threading.Thread(target=doomed, args=(p,)) for p in DEFAULT_PLATFORMS]
     for client in clients:
         client.start()
     deadline = time.monotonic() + 20
@@ -63,6 +52,6 @@ def test_sigkill_during_fills_then_restart_is_clean(
     with ProxyProcess(config, cache, port, tmp_path / "proxy2.log") as restarted:
         assert list((cache / "tmp").rglob("*.part")) == []  # leftovers swept at start
         release = registry.releases[("hashicorp", "null", "3.2.1")]
-        for platform in PLATFORMS:
-            assert fetch(restarted, platform) == release.zips[platform]
-    assert len(registry.archive_requests()) == len(PLATFORMS)
+        for platform in DEFAULT_PLATFORMS:
+            assert restarted.get(archive_path(platform)) == release.zips[platform]
+    assert len(registry.archive_requests()) == len(DEFAULT_PLATFORMS)

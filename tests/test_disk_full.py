@@ -23,8 +23,9 @@ from proxy.app import create_app
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry, Release
 from tests.support.git_repos import publish_repo
+from tests.support.metrics import sample
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.support.raw_http import RawAnswer, Served, sample, served
+from tests.support.raw_http import RawAnswer, Served, served
 from tests.support.small_disk import SmallDisk, small_filesystem
 
 NULL = "/mirror/registry.terraform.io/hashicorp/null"

@@ -86,7 +86,7 @@ def test_registry_mode_lock_file_equals_a_direct_install(
         assert (again / ".terraform.lock.hcl").read_text() == lock.read_text(), mode
 
 
-def test_mirror_mode_lock_file_works_in_registry_mode(
+def test_mirror_mode_lock_file_is_kept_and_completed_in_registry_mode(
         tmp_path: Path, proxy: ProxyProcess, registry: FakeRegistry) -> None:
     first = workdir(tmp_path, "mirror")
     result = terraform_init(first, proxy_env(tmp_path, proxy, "mirror", "mirror"))
@@ -97,6 +97,7 @@ def test_mirror_mode_lock_file_works_in_registry_mode(
     assert result.retcode == 0, result.output
     # The registry install adds the other platforms' zh: hashes, keeping the h1: it had.
     before, after = lock_file_hashes(first), lock_file_hashes(second)
+    assert "registry.terraform.io/hashicorp/null" in before, before  # else the loop checks nothing
     for provider, hashes in before.items():
         assert set(hashes) <= set(after[provider])
         assert any(h.startswith("zh:") for h in after[provider])

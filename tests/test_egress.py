@@ -271,7 +271,7 @@ async def test_rule_without_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
         await rule.connectable("rebind.example.com", 443)
 
 
-def test_internal_zones_setting(tmp_path: Path) -> None:
+def test_internal_zones_are_normalized_and_invalid_ones_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[upstream]\ninternal_zones = ["corp.example.com", ".Lab.Example"]\n')
     assert load_config(path, environ={}).upstream.internal_zones == (

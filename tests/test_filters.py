@@ -12,10 +12,10 @@ from proxy.config import FiltersConfig, load_config
 from proxy.config.filters import Filters
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE
+from tests.support.mirror_paths import BASE
 
 
-def test_filter_rules() -> None:
+def test_filters_allow_and_exclude_by_pattern() -> None:
     filters = Filters(FiltersConfig(
         providers=("hashicorp/*", "registry.opentofu.org/acme/*"),
         exclude_providers=("*/random",), modules=("acme/*/aws",),

@@ -56,7 +56,8 @@ def raw_url(client: TestClient, path: str) -> URL:
     return URL(f"http://{client.host}:{client.port}{encoded}", encoded=True)
 
 
-async def test_hostile_battery(client: TestClient, registry: FakeRegistry) -> None:
+async def test_hostile_paths_are_json_4xx_without_upstream_traffic(
+        client: TestClient, registry: FakeRegistry) -> None:
     statuses = {}
     for path in battery():
         response = await client.session.get(raw_url(client, path))

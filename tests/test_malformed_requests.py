@@ -33,8 +33,9 @@ from proxy.app import create_app
 from proxy.config import Config
 from proxy.core.log_limits import RateLimitedLog
 from proxy.web.parser_errors import MAX_TEXT, REASONS, describe
+from tests.support.metrics import sample
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.support.raw_http import RawAnswer, raw_request, sample, served
+from tests.support.raw_http import RawAnswer, raw_request, served
 
 SECRET = "glpat-NotForTheLog0123"
 HOST = b"Host: 127.0.0.1\r\n"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
-import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -14,11 +12,10 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
-from proxy.verification.hashes import h1_from_entries
 from tests.support.fake_registry import FakeRegistry
+from tests.support.metrics import sample
+from tests.support.mirror_paths import BASE, ZIP, zip_h1
 
-BASE = "/mirror/registry.terraform.io/hashicorp/null"
-ZIP = "terraform-provider-null_3.2.1_linux_amd64.zip"
 MakeClient = Callable[[Config], Awaitable[TestClient]]
 
 
@@ -27,20 +24,6 @@ def make_client(aiohttp_client) -> MakeClient:  # type: ignore[no-untyped-def]
     async def make(config: Config) -> TestClient:
         return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
     return make
-
-
-def zip_h1(data: bytes) -> str:
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        return h1_from_entries((i.filename, archive.read(i)) for i in archive.infolist())
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in a Prometheus exposition."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(name + " ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def test_index_lists_upstream_versions(client: TestClient, registry: FakeRegistry) -> None:
@@ -99,7 +82,7 @@ async def test_archive_is_fetched_once_verified_and_served_byte_for_byte(
         zip_h1(release.zips["linux_amd64"]), f"zh:{release.sha256('linux_amd64')}"]
 
 
-async def test_head_on_archive(client: TestClient) -> None:
+async def test_head_on_archive_gives_its_length(client: TestClient) -> None:
     response = await client.head(f"{BASE}/{ZIP}")
     assert response.status == 200
     assert int(response.headers["Content-Length"]) > 0
@@ -117,7 +100,7 @@ async def test_corrupt_zip_is_refused_and_not_cached(
     assert not list((proxy_config.cache.dir / "archives").rglob("*.zip"))
     assert not list((proxy_config.cache.dir / "tmp").rglob("*.part"))
     metrics = await (await client.get("/metrics")).text()
-    assert metric(metrics, "tfproxy_integrity_failures_total", kind="checksum") == 1
+    assert sample(metrics, "tfproxy_integrity_failures_total", kind="checksum") == 1
 
     registry.faults.clear()
     response = await client.get(f"{BASE}/{ZIP}")
@@ -231,9 +214,9 @@ async def test_stale_versions_are_served_when_upstream_fails(
     assert (await client.get(f"{BASE}/index.json")).status == 200
     assert registry.paths().count("/v1/providers/hashicorp/null/versions") == 2
     metrics = await (await client.get("/metrics")).text()
-    assert metric(metrics, "tfproxy_cache_lookups_total", kind="versions",
+    assert sample(metrics, "tfproxy_cache_lookups_total", kind="versions",
                   result="revalidate") == 1
-    assert metric(metrics, "tfproxy_cache_lookups_total", kind="versions", result="stale") == 1
+    assert sample(metrics, "tfproxy_cache_lookups_total", kind="versions", result="stale") == 1
 
 
 async def test_cache_survives_restart_and_serves_without_upstream(
@@ -253,15 +236,15 @@ async def test_cache_survives_restart_and_serves_without_upstream(
     assert "linux_amd64" in (await document.json())["archives"]
 
 
-async def test_healthz_and_metrics(client: TestClient) -> None:
+async def test_healthz_answers_and_requests_are_counted(client: TestClient) -> None:
     response = await client.get("/healthz")
     assert response.status == 200
     assert response.headers["Server"] == "tf-registry-proxy"
     assert await response.json() == {"status": "ok"}
     await client.get(f"{BASE}/index.json")
     text = await (await client.get("/metrics")).text()
-    assert metric(text, "tfproxy_http_requests_total", route="mirror", status_class="2xx") == 1
-    assert metric(text, "tfproxy_cache_lookups_total", kind="versions", result="miss") == 1
+    assert sample(text, "tfproxy_http_requests_total", route="mirror", status_class="2xx") == 1
+    assert sample(text, "tfproxy_cache_lookups_total", kind="versions", result="miss") == 1
 
 
 async def test_host_dropped_from_config_is_not_served_from_cache(

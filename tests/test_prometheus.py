@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry
+from tests.support.mirror_paths import BASE, ZIP
 from tests.support.proxy_process import free_port
-from tests.test_mirror import BASE, ZIP
 
 OPS = Path(__file__).parent.parent / "ops"
 

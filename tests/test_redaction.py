@@ -131,7 +131,7 @@ def test_module_source_errors_never_quote_the_secret(url: str) -> None:
     ("mail a@b.example about https://host.example/x", "mail a@b.example about "
      "https://host.example/x"),
 ])
-def test_examples(given_text: str, masked: str) -> None:
+def test_secrets_are_masked_and_other_text_kept(given_text: str, masked: str) -> None:
     assert mask_secrets(given_text) == masked
 
 

@@ -70,12 +70,12 @@ def test_versions_keep_valid_entries_and_platforms() -> None:
 
 
 @pytest.mark.parametrize("doc", [None, [], {"versions": {}}, {"other": []}])
-def test_versions_document_shape(doc: object) -> None:
+def test_malformed_versions_document_is_refused(doc: object) -> None:
     with pytest.raises(UpstreamError):
         parse_versions(doc)
 
 
-def test_sha256sums() -> None:
+def test_sha256sums_keeps_well_formed_lines_lowercased() -> None:
     text = (f"{SHA}  a.zip\n{'B' * 64} *b.zip\n\nnot a line\n{'c' * 63}  short.zip\n").encode()
     assert parse_sha256sums(text) == {"a.zip": SHA, "b.zip": "b" * 64}
 

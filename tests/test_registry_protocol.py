@@ -28,7 +28,7 @@ def upstream_document(registry: FakeRegistry, path: str) -> dict[str, object]:
         return json.load(response)  # type: ignore[no-any-return]
 
 
-async def test_versions(client: TestClient) -> None:
+async def test_versions_document_lists_versions_protocols_and_platforms(client: TestClient) -> None:
     body = await (await client.get(f"{REG}/versions")).json()
     versions = {v["version"]: v for v in body["versions"]}
     assert set(versions) == {"3.2.1", "3.1.0"}

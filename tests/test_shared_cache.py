@@ -8,23 +8,16 @@ import hashlib
 import os
 import ssl
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from proxy.store.archives import ArchiveStore
 from tests.support.fake_registry import FakeRegistry
+from tests.support.metrics import sample
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.support.raw_http import PausedDownload, sample
+from tests.support.raw_http import PausedDownload
 
 NULL = "/mirror/registry.terraform.io/hashicorp/null"
-
-
-def get(proxy: ProxyProcess, path: str) -> bytes:
-    context = ssl.create_default_context(cafile=str(proxy.ca_file))
-    with urllib.request.urlopen(proxy.url + path.lstrip("/"), context=context,
-                                timeout=30) as response:
-        return bytes(response.read())
 
 
 def own_config(write_config: Callable[..., Path], cache: Path, port: int) -> Path:
@@ -59,12 +52,12 @@ def test_size_limit_holds_across_instances_sharing_the_cache(
                                          (second, "3.2.1", "windows_amd64"),
                                          (second, "3.1.0", "linux_amd64")):
             name = null[version].filename(platform)
-            assert get(proxy, f"{NULL}/{name}") == null[version].zips[platform]
+            assert proxy.get(f"{NULL}/{name}") == null[version].zips[platform]
         on_disk = [path.stat().st_size for path in stored_zips(cache)]
         assert sum(on_disk) <= limit, f"{sum(on_disk)} bytes on disk, limit {limit}"
         # Either process reports the cache as it is on disk, not only its own writes.
         for proxy in (first, second):
-            text = get(proxy, "/metrics").decode()
+            text = proxy.get("/metrics").decode()
             assert sample(text, "tfproxy_cache_size_bytes") == sum(on_disk)
             assert sample(text, "tfproxy_cache_files") == len(on_disk)
 
@@ -80,7 +73,7 @@ def test_file_another_process_is_sending_is_not_evicted(
     port = free_port()
     with ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
                       tmp_path / "proxy.log") as proxy:
-        assert get(proxy, path) == whole  # now stored
+        assert proxy.get(path) == whole  # now stored
         [stored] = stored_zips(cache)
         context = ssl.create_default_context(cafile=str(proxy.ca_file))
         paused = PausedDownload("127.0.0.1", port, path, context)

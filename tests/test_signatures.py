@@ -13,12 +13,12 @@ from tests.support.gpg import GpgKey, generate_key, stop_agent
 DATA = b"0123  terraform-provider-x_1.0.0_linux_amd64.zip\n"
 
 
-def test_good_signature(signer: GpgKey) -> None:
+def test_good_signature_verifies_to_its_fingerprint(signer: GpgKey) -> None:
     fingerprint = verify_detached(DATA, signer.detach_sign(DATA), [signer.armored_public_key])
     assert fingerprint.lower() == signer.fingerprint.lower()
 
 
-def test_any_of_several_keys(signer: GpgKey, impostor: GpgKey) -> None:
+def test_signature_by_any_of_several_keys_verifies(signer: GpgKey, impostor: GpgKey) -> None:
     assert verify_detached(DATA, signer.detach_sign(DATA),
                            [impostor.armored_public_key, signer.armored_public_key])
 

@@ -90,7 +90,7 @@ async def test_a_started_run_is_joined_by_later_callers() -> None:
     assert len(flights) == 0
 
 
-async def test_cancel_all() -> None:
+async def test_cancel_all_cancels_running_flights() -> None:
     flights: SingleFlight[None] = SingleFlight()
     task = asyncio.create_task(flights.run("k", lambda: asyncio.sleep(60)))
     await asyncio.sleep(0)

@@ -20,8 +20,8 @@ from proxy.core.metrics import Metrics
 from proxy.web.connections import raise_descriptor_limit
 from proxy.web.tls_server import ConnectionReports
 from tests.support.fake_registry import FakeRegistry
+from tests.support.metrics import sample
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.support.raw_http import sample
 from tests.support.stalled_clients import (
     connect,
     connect_tls,

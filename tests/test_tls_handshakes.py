@@ -8,7 +8,6 @@ import re
 import socket
 import ssl
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,19 +16,10 @@ import pytest
 from proxy.core.metrics import Metrics
 from proxy.web.tls_server import HandshakeFailures
 from tests.support.fake_registry import FakeRegistry
+from tests.support.metrics import sample
 from tests.support.proxy_process import ProxyProcess, free_port
 
-
-def metrics_text(proxy: ProxyProcess) -> str:
-    context = ssl.create_default_context(cafile=str(proxy.ca_file))
-    with urllib.request.urlopen(f"{proxy.url}metrics", context=context, timeout=10) as answer:
-        return str(answer.read().decode())
-
-
-def handshake_failures(text: str, reason: str) -> float | None:
-    found = re.search(rf'^tfproxy_tls_handshake_failures_total\{{reason="{reason}"\}} (\S+)$',
-                      text, re.MULTILINE)
-    return float(found.group(1)) if found else None
+HANDSHAKE_FAILURES = "tfproxy_tls_handshake_failures_total"
 
 
 def test_untrusting_clients_are_logged_and_counted(
@@ -46,8 +36,9 @@ def test_untrusting_clients_are_logged_and_counted(
             raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")  # not TLS
             raw.recv(100)
         deadline = time.monotonic() + 10
-        while handshake_failures(text := metrics_text(proxy), "plain_http") != 1.0 \
-                or handshake_failures(text, "untrusted_certificate") != 5.0:
+        while sample(text := proxy.get("/metrics").decode(), HANDSHAKE_FAILURES,
+                     reason="plain_http") != 1.0 \
+                or sample(text, HANDSHAKE_FAILURES, reason="untrusted_certificate") != 5.0:
             assert time.monotonic() < deadline, text
             time.sleep(0.1)
         ca_file = proxy.ca_file
@@ -89,6 +80,6 @@ def test_handshake_failures_are_rate_limited(caplog: pytest.LogCaptureFixture) -
         "failed handshakes not logged since the last line)",
     ]
     text = metrics.render().decode()
-    assert handshake_failures(text, "untrusted_certificate") == 1.0
-    assert handshake_failures(text, "plain_http") == 3.0
-    assert handshake_failures(text, "protocol_mismatch") == 1.0
+    assert sample(text, HANDSHAKE_FAILURES, reason="untrusted_certificate") == 1.0
+    assert sample(text, HANDSHAKE_FAILURES, reason="plain_http") == 3.0
+    assert sample(text, HANDSHAKE_FAILURES, reason="protocol_mismatch") == 1.0

@@ -15,7 +15,7 @@ from proxy.app import create_app
 from proxy.config import Secret, load_config
 from tests.support.connect_proxy import ConnectProxy, use_https_proxy
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE, ZIP
+from tests.support.mirror_paths import BASE, ZIP
 
 MODULES = "/modules/registry.terraform.io/acme"
 

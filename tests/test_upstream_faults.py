@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient
 import proxy.store.freshness
 from proxy.config import Config
 from tests.support.fake_registry import FakeRegistry
-from tests.test_mirror import BASE, ZIP, metric
+from tests.support.metrics import declared, sample
+from tests.support.mirror_paths import BASE, ZIP
 
 Make = Callable[..., Awaitable[TestClient]]
 
@@ -31,8 +32,10 @@ async def test_compressed_answers_are_refused_not_blamed_on_signatures(
         assert response.status == 502
         assert "content coding 'gzip'" in await error_of(response)
     text = await (await client.get("/metrics")).text()
+    # Declared, yet not one sample: a renamed metric would not pass for "nothing counted".
+    assert declared(text, "tfproxy_integrity_failures_total"), text
     assert "tfproxy_integrity_failures_total{" not in text
-    assert all(("GET", p) in registry.requests for p in ["/v1/providers/hashicorp/null/versions"])
+    assert ("GET", "/v1/providers/hashicorp/null/versions") in registry.requests
 
 
 async def test_stalled_upstream_is_a_504(make: Make, registry: FakeRegistry) -> None:
@@ -101,7 +104,8 @@ async def test_one_platform_failing_its_checksum_does_not_block_the_others(
     windows = await client.get(f"{BASE}/terraform-provider-null_3.2.1_windows_amd64.zip")
     assert windows.status == 502
     text = await (await client.get("/metrics")).text()
-    assert metric(text, "tfproxy_integrity_failures_total", kind="sha256sums") >= 1
+    bad_sums = sample(text, "tfproxy_integrity_failures_total", kind="sha256sums")
+    assert bad_sums is not None and bad_sums >= 1, text
     assert not any("windows" in p for p in registry.archive_requests())
 
 
@@ -225,7 +229,7 @@ async def test_concurrent_fills_are_capped_and_the_rest_wait(
     await asyncio.sleep(0.3)  # the first trickles (about 0.6 s); the second must wait
     assert len(registry.archive_requests()) == 1
     text = await (await client.get("/metrics")).text()
-    assert metric(text, "tfproxy_fills_in_flight") == 1
+    assert sample(text, "tfproxy_fills_in_flight") == 1
     for name, download in zip(names, downloads, strict=True):
         platform = name.removeprefix("terraform-provider-null_3.2.1_").removesuffix(".zip")
         assert await (await download).read() == registry.releases[

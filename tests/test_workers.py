@@ -14,9 +14,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support.fake_registry import FakeRegistry
+from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
+from tests.support.mirror_paths import archive_path
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.test_crash_safety import PLATFORMS, fetch
 
 
 def test_workers_share_one_port_and_one_cache(
@@ -34,13 +34,14 @@ def test_workers_share_one_port_and_one_cache(
         release = registry.releases[("hashicorp", "null", "3.2.1")]
         registry.faults.add("slowzip")  # keep fills open while the others arrive
         with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
-            jobs = [pool.submit(fetch, proxy, platform) for platform in PLATFORMS * 8]
+            platforms = DEFAULT_PLATFORMS * 8
+            jobs = [pool.submit(proxy.get, archive_path(platform)) for platform in platforms]
             results = [job.result(timeout=60) for job in jobs]
-        for platform, body in zip(PLATFORMS * 8, results, strict=True):
+        for platform, body in zip(platforms, results, strict=True):
             assert body == release.zips[platform]
         # 24 requests spread over 3 processes: still one upstream download per package.
         assert sorted(registry.archive_requests()) == sorted(
-            f"/files/hashicorp/null/3.2.1/{release.filename(p)}" for p in PLATFORMS)
+            f"/files/hashicorp/null/3.2.1/{release.filename(p)}" for p in DEFAULT_PLATFORMS)
         proxy.stop()
         deadline = time.monotonic() + 10
         while any(Path(f"/proc/{pid}").exists() for pid in children):

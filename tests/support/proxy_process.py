@@ -83,6 +83,13 @@ class ProxyProcess:
             time.sleep(0.1)
         raise RuntimeError(f"proxy did not become healthy: {self.log.read_text()[-3000:]}")
 
+    def get(self, path: str, timeout: float = 30) -> bytes:
+        """GET path over HTTPS, trusting the proxy's CA; the body (an HTTP error raises)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        with urllib.request.urlopen(self.url + path.lstrip("/"), context=context,
+                                    timeout=timeout) as response:
+            return bytes(response.read())
+
     def _healthy(self, ca_file: Path) -> bool:
         context = ssl.create_default_context(cafile=str(ca_file))
         try:

@@ -16,7 +16,6 @@ from typing import TypeVar
 import aiohttp
 import trustme
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.web.http_server import ProxyRunner
 
@@ -219,12 +218,3 @@ class _Channel:
         pending = self._outgoing.read()
         if pending:
             self._sock.sendall(pending)
-
-
-def sample(exposition: str, name: str, **labels: str) -> float | None:
-    """One sample of a Prometheus text exposition; None when it is not there."""
-    for family in text_string_to_metric_families(exposition):
-        for found in family.samples:
-            if found.name == name and found.labels == labels:
-                return float(found.value)
-    return None
