@@ -86,8 +86,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)
     http = UpstreamHTTP(session, config.upstream, metrics, egress)
-    discovery = Discovery(http, config.upstream)
-    filters = Filters(config.filters)
+    # One view of what is served (hosts, then filters), shared by every service.
+    filters = Filters(config.filters, config.upstream)
+    discovery = Discovery(http, config.upstream, filters)
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
                                 config.upstream, metrics, filters)
     opened.push_async_callback(packages.close)
@@ -101,7 +102,7 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     git_gate = EgressGate(egress, config.upstream.connect_timeout)
     opened.push_async_callback(git_gate.close)
     modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
-                             config, metrics, git_ca, git_gate)
+                             config, metrics, filters, git_ca, git_gate)
     opened.push_async_callback(modules.close)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.airgap import manifest as bundle_manifest
-from proxy.airgap.bundle import import_bundle
+from proxy.airgap.import_bundle import import_bundle
 from proxy.airgap.manifest import BundleError
 from proxy.app import create_app
 from proxy.config import load_config

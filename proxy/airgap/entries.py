@@ -20,9 +20,9 @@ from proxy.core.models import (
     parse_version,
 )
 from proxy.store import layout
+from proxy.verification.packages import SUMS_ID
 
 _SHASUM = re.compile(r"[0-9a-f]{64}")
-_SUMS_ID = re.compile(r"[0-9a-f]{32}")
 _H1 = re.compile(r"h1:[A-Za-z0-9+/]{43}=")
 _MAX_TEXT = 4096
 _MAX_KEYS = 16
@@ -229,7 +229,7 @@ def _provider(item: object, where: str, roles: _Roles) -> ProviderEntry:
     h1 = fields.value.get("h1")
     if h1 is not None:
         h1 = fields.text("h1", _H1)
-    sums_id = fields.text("sums_id", _SUMS_ID)
+    sums_id = fields.text("sums_id", SUMS_ID)
     release = f"{provider} {version} ({sums_id})"
     document, keys = _document(fields, filename, shasum, platform)
     return ProviderEntry(

@@ -11,6 +11,7 @@ import posixpath
 import re
 import tarfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,19 @@ _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz")
 
 class BundleError(Exception):
     """A bundle that cannot be written, read or trusted."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How much a bundle held (imports: what was new to the cache, and how many packages
+    and module archives the cache held already; exports: which requirements nothing
+    matched)."""
+
+    providers: int
+    modules: int
+    unmatched: tuple[str, ...] = ()
+    signed_by: str = ""  # fingerprint of the key that signed (export) or verified (import)
+    present: int = 0
 
 
 def file_entry(size: int, sha256: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from proxy.airgap.manifest import BundleError
 from proxy.airgap.publish import (
     apply_changes,
     check_room,
-    file_sha256,
     measure,
     plan_list,
     regular_sha256,
@@ -29,7 +28,7 @@ from proxy.core.errors import BadRequest
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
 from proxy.store.disk_import import CacheChanges, cache_work, existing_index
-from proxy.verification.hashes import h1_of_zip
+from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import VerifiedPackage
 
 _CHUNK = 1 << 20
@@ -62,7 +61,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                 copy = store.spool_path()  # check the copy that will be stored, not the source
                 _copy_regular(zip_path, copy, config.upstream.max_archive_size)
                 try:
-                    sha, h1 = file_sha256(copy), h1_of_zip(copy)
+                    sha, h1 = sha256_of_path(copy), h1_of_zip(copy)
                 except (zipfile.BadZipFile, OSError, ValueError):
                     raise BundleError(f"{zip_path}: not a valid zip") from None
                 if h1 not in hashes and f"zh:{sha}" not in hashes:

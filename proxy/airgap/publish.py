@@ -4,7 +4,6 @@ the cache measured afterwards, version lists merged."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import stat
 from collections.abc import Callable
@@ -16,9 +15,9 @@ from proxy.airgap.manifest import BundleError
 from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_import import INDEX_WRITE_ERRORS, CacheChanges, IndexReader
 from proxy.store.disk_space import free_bytes
+from proxy.verification.hashes import sha256_of_path
 
 log = logging.getLogger(__name__)
-_CHUNK = 1 << 20
 
 
 def apply_changes(changes: CacheChanges) -> None:
@@ -60,15 +59,6 @@ def check_room(cache_dir: Path, needed: int, what: str) -> None:
                           f"({cache_dir}) has {free} bytes free")
 
 
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def regular_sha256(path: Path) -> str | None:
     """The sha256 of the file at path (None: nothing there; "": not a regular file)."""
     try:
@@ -76,7 +66,7 @@ def regular_sha256(path: Path) -> str | None:
             return ""
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return file_sha256(path)
+    return sha256_of_path(path)
 
 
 def plan_list(changes: CacheChanges, index: IndexReader | None, record_key: str,

@@ -1,6 +1,7 @@
 """Configuration loading: TOML (tomllib) plus environment overrides, into the typed frozen
-dataclasses of proxy.config.settings (re-exported here). Every problem is collected and reported at
-once, each with its key's name. No file at all means the built-in defaults.
+dataclasses of proxy.config.settings (the common ones re-exported here). Every problem is
+collected and reported at once, each with its key's name. No file at all means the built-in
+defaults.
 """
 
 from __future__ import annotations
@@ -15,19 +16,15 @@ from typing import Any
 from proxy.config.parser import parse_tables
 from proxy.config.settings import (
     CONFIG_ENV,
-    DEFAULT_ALLOWED_HOSTS,
     ENV_KEYS,
     ENV_PREFIX,
     KNOWN_SERVICES,
-    CacheConfig,
     Config,
     ConfigError,
     FiltersConfig,
-    ModulesConfig,
     Secret,
     ServerConfig,
     UpstreamConfig,
-    UpstreamHostConfig,
     default_cache_dir,
     default_state_dir,
     parse_size,
@@ -35,9 +32,9 @@ from proxy.config.settings import (
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
 
-__all__ = ["CONFIG_ENV", "DEFAULT_ALLOWED_HOSTS", "KNOWN_SERVICES", "CacheConfig", "Config",
-           "ConfigError", "FiltersConfig", "ModulesConfig", "Secret", "ServerConfig",
-           "UpstreamConfig", "UpstreamHostConfig", "default_cache_dir", "default_state_dir",
+# What callers take from proxy.config; the rest is imported from proxy.config.settings.
+__all__ = ["CONFIG_ENV", "KNOWN_SERVICES", "Config", "ConfigError", "FiltersConfig", "Secret",
+           "ServerConfig", "UpstreamConfig", "default_cache_dir", "default_state_dir",
            "load_config", "parse_size"]
 
 

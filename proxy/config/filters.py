@@ -1,11 +1,13 @@
-"""Which providers, modules and platforms the proxy serves (optional glob filters). Pure."""
+"""Which hosts, providers, modules and platforms the proxy serves: the upstream hosts the
+operator allowed, narrowed by optional glob filters. Pure."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
-from proxy.config.settings import FiltersConfig
+from proxy.config.settings import FiltersConfig, UpstreamConfig
+from proxy.core.errors import NotFound
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 
 
@@ -15,12 +17,33 @@ def _matches(names: Iterable[str], patterns: tuple[str, ...]) -> bool:
 
 
 class Filters:
-    """Allow lists (empty: everything) and deny lists of globs, from [filters]. A provider
-    pattern matches "namespace/type" or "hostname/namespace/type"; a module pattern
-    "namespace/name/system" or with the hostname; a platform pattern "os_arch"."""
+    """The upstream hosts served ([upstream]), then allow lists (empty: everything) and deny
+    lists of globs, from [filters]. A provider pattern matches "namespace/type" or
+    "hostname/namespace/type"; a module pattern "namespace/name/system" or with the
+    hostname; a platform pattern "os_arch"."""
 
-    def __init__(self, config: FiltersConfig | None = None) -> None:
+    def __init__(self, config: FiltersConfig | None = None,
+                 upstream: UpstreamConfig | None = None) -> None:
         self._config = config or FiltersConfig()
+        self._upstream = upstream or UpstreamConfig()
+
+    def require_host(self, hostname: str) -> None:
+        """NotFound unless the proxy serves (and may contact) this upstream host. Checked
+        before the cache too: a host dropped from the config is not served from disk."""
+        if not self._upstream.serves(hostname):
+            raise NotFound(f"host {hostname} is not served by this proxy")
+
+    def require_provider(self, provider: ProviderAddress) -> None:
+        """NotFound unless the proxy serves this provider (host allowed, filters pass)."""
+        self.require_host(provider.hostname)
+        if not self.provider_allowed(provider):
+            raise NotFound(f"{provider} is not served by this proxy (filters)")
+
+    def require_module(self, module: ModuleAddress) -> None:
+        """NotFound unless the proxy serves this module (host allowed, filters pass)."""
+        self.require_host(module.hostname)
+        if not self.module_allowed(module):
+            raise NotFound(f"module {module} is not served by this proxy (filters)")
 
     def provider_allowed(self, provider: ProviderAddress) -> bool:
         """Whether this provider is served at all."""

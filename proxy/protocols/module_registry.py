@@ -50,7 +50,7 @@ class ModuleRegistry:
 
     def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataIndex,
                  archives: BlobStore, config: Config, metrics: Metrics,
-                 git_ca_file: Path | None, git_gate: EgressGate) -> None:
+                 filters: Filters, git_ca_file: Path | None, git_gate: EgressGate) -> None:
         self._client = client
         self._http = http
         self._cache = cache
@@ -59,7 +59,7 @@ class ModuleRegistry:
         self._metrics = metrics
         self._git_ca_file = git_ca_file
         self._git_gate = git_gate
-        self._filters = Filters(config.filters)
+        self._filters = filters
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.upstream.versions_ttl,
             encode=list, decode=list, offline=config.upstream.offline)
@@ -73,17 +73,11 @@ class ModuleRegistry:
         await self._checked.close()
         await self._version_lists.close()
 
-    def _require_served(self, module: ModuleAddress) -> None:
-        if not self._config.upstream.serves(module.hostname):
-            raise NotFound(f"host {module.hostname} is not served by this proxy")
-        if not self._filters.module_allowed(module):
-            raise NotFound(f"module {module} is not served by this proxy (filters)")
-
     # --- protocol operations -------------------------------------------------------------
 
     async def list_versions(self, module: ModuleAddress) -> dict[str, Any]:
         """The body of `versions`: `{"modules": [{"versions": [{"version": ...}]}]}`."""
-        self._require_served(module)
+        self._filters.require_module(module)
         versions = await self._versions(module)
         return {"modules": [{"versions": [{"version": v} for v in versions]}]}
 
@@ -93,7 +87,7 @@ class ModuleRegistry:
         so that the archive request finds it under way, but never waits for it: Terraform
         gives this request 10 s and a clone may take minutes (the archive GET has no limit).
         """
-        self._require_served(module)
+        self._filters.require_module(module)
         if await self._archives.stat(layout.module_archive(module, version)) is not None:
             return
         if self._config.upstream.offline:
@@ -106,7 +100,7 @@ class ModuleRegistry:
     async def archive(self, module: ModuleAddress, version: str) -> BlobInfo:
         """The repacked module archive, fetched from its source on a miss (waiting for a
         fetch already under way rather than starting another)."""
-        self._require_served(module)
+        self._filters.require_module(module)
         stored = await self._stored(module, version)
         if stored is not None:
             self._metrics.cache_lookups.labels("module", "hit").inc()

@@ -8,7 +8,6 @@ proxy.store.file_identity)."""
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import hashlib
 import logging
@@ -34,6 +33,7 @@ from proxy.store.usage import (
     Usage,
     UsageLedger,
     evict_least_recently_used,
+    lock_exclusive,
     mark_in_use,
 )
 
@@ -336,16 +336,7 @@ class FillLock:
 
     async def __aenter__(self) -> FillLock:
         handle = open(self._path, "ab")  # noqa: ASYNC230 - a tiny local file
-        try:
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(0.05)  # another process fills it: wait our turn
-        except BaseException:
-            handle.close()
-            raise
+        await lock_exclusive(handle, 0.05)  # another process fills it: wait our turn
         self._handle = handle
         return self
 

@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import aiofiles
 
-from proxy.config import CacheConfig
+from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 from proxy.store.archives import ArchiveStore, FillLock

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from proxy.config import CacheConfig
+from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from proxy.config import CacheConfig
+from proxy.config.settings import CacheConfig
 from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity

@@ -138,16 +138,7 @@ class UsageLedger:
         happens on the event loop, so waiters never tie up threads; the lock is released by
         the thread when work ends, even if the caller was cancelled meanwhile."""
         handle = self._open()
-        try:
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(_POLL_SECONDS)  # held elsewhere (an eviction scanning?)
-        except BaseException:
-            handle.close()
-            raise
+        await lock_exclusive(handle, _POLL_SECONDS)  # held elsewhere (an eviction scanning?)
 
         def held() -> _T:
             with handle:  # closing the descriptor releases the lock
@@ -183,3 +174,18 @@ def _parse(data: bytes) -> Usage | None:
     except (ValueError, KeyError, TypeError):
         return None
     return usage if usage.bytes >= 0 and usage.files >= 0 else None
+
+
+async def lock_exclusive(handle: BinaryIO, poll_seconds: float) -> None:
+    """Take an exclusive flock on handle, polling so that the event loop never blocks; the
+    handle is closed if the wait fails or is cancelled."""
+    try:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                await asyncio.sleep(poll_seconds)
+    except BaseException:
+        handle.close()
+        raise

@@ -10,47 +10,37 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
+# The state files under tls/, by attribute of StatePaths. Earlier versions kept them, and the
+# signing key, under <cache.dir>/tls by these same names.
+_TLS_FILES = {"ca_cert": "ca.pem", "ca_key": "ca-key.pem", "server_cert": "server.pem",
+              "server_key": "server-key.pem"}
+_SIGNING_KEY = "url-signing.key"
+
+
 @dataclass(frozen=True)
 class StatePaths:
-    """Where each piece of state lives under server.state_dir."""
+    """Where each piece of state lives under server.state_dir (root)."""
 
     root: Path
+    tls: Path = field(init=False)  # the generated CA and server certificate's directory
+    ca_cert: Path = field(init=False)  # the CA clients trust (SSL_CERT_FILE)
+    ca_key: Path = field(init=False)  # the CA's private key
+    server_cert: Path = field(init=False)  # the server certificate, issued by the CA
+    server_key: Path = field(init=False)  # the server certificate's private key
+    signing_key: Path = field(init=False)  # the HMAC key of signed URLs, for every process
 
-    @property
-    def tls(self) -> Path:
-        """The generated CA and server certificate's directory."""
-        return self.root / "tls"
-
-    @property
-    def ca_cert(self) -> Path:
-        """The CA clients trust (SSL_CERT_FILE)."""
-        return self.tls / "ca.pem"
-
-    @property
-    def ca_key(self) -> Path:
-        """The CA's private key."""
-        return self.tls / "ca-key.pem"
-
-    @property
-    def server_cert(self) -> Path:
-        """The server certificate, issued by the CA."""
-        return self.tls / "server.pem"
-
-    @property
-    def server_key(self) -> Path:
-        """The server certificate's private key."""
-        return self.tls / "server-key.pem"
-
-    @property
-    def signing_key(self) -> Path:
-        """The HMAC key of signed archive URLs, shared by every process."""
-        return self.root / "url-signing.key"
+    def __post_init__(self) -> None:
+        # Frozen: every path is set here, once, from root.
+        object.__setattr__(self, "tls", self.root / "tls")
+        for attribute, name in _TLS_FILES.items():
+            object.__setattr__(self, attribute, self.tls / name)
+        object.__setattr__(self, "signing_key", self.root / _SIGNING_KEY)
 
 
 @contextmanager
@@ -82,8 +72,8 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
 
 
 # Files earlier versions kept under <cache.dir>/tls, and where they live now.
-_LEGACY_NAMES = {"ca.pem": "ca_cert", "ca-key.pem": "ca_key", "server.pem": "server_cert",
-                 "server-key.pem": "server_key", "url-signing.key": "signing_key"}
+_LEGACY_NAMES = {**{name: attribute for attribute, name in _TLS_FILES.items()},
+                 _SIGNING_KEY: "signing_key"}
 
 
 def adopt_legacy_state(cache_dir: Path, paths: StatePaths) -> list[Path]:

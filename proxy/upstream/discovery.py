@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from urllib.parse import urljoin, urlsplit
 
 from proxy.config import KNOWN_SERVICES, UpstreamConfig
+from proxy.config.filters import Filters
 from proxy.core.errors import NotFound, UpstreamError
 from proxy.core.singleflight import SingleFlight
 from proxy.upstream.http import MAX_JSON_BYTES, UpstreamHTTP
@@ -24,17 +25,17 @@ FAILURE_BACKOFF_SECONDS = 30.0
 class Discovery:
     """Resolves a hostname to its service base URLs. Configured hosts skip the network."""
 
-    def __init__(self, http: UpstreamHTTP, config: UpstreamConfig) -> None:
+    def __init__(self, http: UpstreamHTTP, config: UpstreamConfig, filters: Filters) -> None:
         self._http = http
         self._config = config
+        self._filters = filters
         self._cache: dict[str, tuple[float, Mapping[str, str]]] = {}
         self._flights: SingleFlight[Mapping[str, str]] = SingleFlight()
         self._failed_until: dict[str, float] = {}
 
     async def service_url(self, hostname: str, service: str) -> str:
         """The base URL (ending in `/`) of `service` on `hostname`; NotFound if not offered."""
-        if not self._config.serves(hostname):
-            raise NotFound(f"host {hostname} is not served by this proxy")
+        self._filters.require_host(hostname)
         services = await self.services(hostname)
         url = services.get(service)
         if url is None:

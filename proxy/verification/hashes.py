@@ -52,6 +52,12 @@ def sha256_of_file(handle: BinaryIO) -> str:
     return digest.hexdigest()
 
 
+def sha256_of_path(path: Path) -> str:
+    """The hex sha256 of the file at path."""
+    with open(path, "rb") as handle:
+        return sha256_of_file(handle)
+
+
 def _zip_entry_digests(archive: zipfile.ZipFile) -> Iterable[tuple[str, str]]:
     # Streamed entry by entry: provider binaries run to hundreds of megabytes.
     for info in archive.infolist():

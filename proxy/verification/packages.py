@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,10 +60,9 @@ class VerifiedPackages:
     """Version lists and verified package facts, fetched on a miss and cached."""
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataIndex,
-                 config: UpstreamConfig, metrics: Metrics,
-                 filters: Filters | None = None) -> None:
+                 config: UpstreamConfig, metrics: Metrics, filters: Filters) -> None:
         self._registry = registry
-        self.filters = filters or Filters()
+        self.filters = filters
         self._cache = cache
         self._config = config
         self._metrics = metrics
@@ -75,13 +75,8 @@ class VerifiedPackages:
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
 
     def require_served(self, provider: ProviderAddress) -> None:
-        """NotFound unless the proxy serves this provider (host allowed, filters pass).
-        Checked before the cache too: a host dropped from the config is not served from
-        disk."""
-        if not self._config.serves(provider.hostname):
-            raise NotFound(f"host {provider.hostname} is not served by this proxy")
-        if not self.filters.provider_allowed(provider):
-            raise NotFound(f"{provider} is not served by this proxy (filters)")
+        """NotFound unless the proxy serves this provider (see Filters.require_provider)."""
+        self.filters.require_provider(provider)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
@@ -232,6 +227,10 @@ def _package_from_record(record: dict[str, Any]) -> VerifiedPackage:
                            identity_from_record(record.get("stored_as")))
 
 
+# What sums_id returns; what a path or a bundle may name a SHA256SUMS file by.
+SUMS_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def sums_id(shasums_url: str) -> str:
-    """A short, stable name for one upstream SHA256SUMS file."""
+    """A short, stable name for one upstream SHA256SUMS file (matches SUMS_ID)."""
     return hashlib.sha256(shasums_url.encode()).hexdigest()[:32]

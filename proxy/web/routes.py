@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 
 from aiohttp import web
 
@@ -23,6 +22,7 @@ from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.protocol import BlobStore
+from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_response, send_file
 
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
 MODULES_PREFIX = "/modules/"
 PROVIDERS_PREFIX = "/providers/"
-_SUMS_ID = re.compile(r"[0-9a-f]{32}")
 METRICS_KEY = web.AppKey("metrics", Metrics)
 MIRROR_KEY = web.AppKey("provider_mirror", ProviderMirror)
 MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
@@ -78,12 +77,12 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
         document = await mirror.version_document(provider, version)
-        signer = request.app.get(SIGNER_KEY)
-        if signer is not None:  # archives are fetched without credentials: sign their URLs
+        if SIGNER_KEY in request.app:  # archives are fetched without credentials
             document = copy.deepcopy(document)
             directory = request.path.rsplit("/", 1)[0]
             for archive in document["archives"].values():
-                archive["url"] += "?" + signer.query(f"{directory}/{archive['url']}")
+                archive["url"] = _signed(request, f"{directory}/{archive['url']}",
+                                         archive["url"])
         return json_response(document)
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
@@ -99,6 +98,19 @@ def public_base(request: web.Request) -> str:
     if configured:
         return configured if configured.endswith("/") else configured + "/"
     return f"https://{request.host}/"
+
+
+def _signed(request: web.Request, path: str, url: str) -> str:
+    """url, which leads to our path, with the query that lets a client fetch it without
+    credentials (Terraform sends none to the URLs in these documents) when clients must
+    authenticate."""
+    signer = request.app.get(SIGNER_KEY)
+    return url if signer is None else f"{url}?{signer.query(path)}"
+
+
+def _public_url(request: web.Request, path: str) -> str:
+    """The absolute URL of our path (see public_base), signed when clients authenticate."""
+    return _signed(request, path, public_base(request) + path.lstrip("/"))
 
 
 async def discovery(request: web.Request) -> web.Response:
@@ -128,17 +140,11 @@ async def provider_download(request: web.Request) -> web.Response:
     platform = Platform.parse(request.match_info["os"], request.match_info["arch"])
     document, sums = await request.app[REGISTRY_KEY].download_document(
         provider, version, platform)
-    base = public_base(request)
-    signer = request.app.get(SIGNER_KEY)
-
-    def url(path: str) -> str:
-        return base + path.lstrip("/") + ("?" + signer.query(path) if signer else "")
-
     sums_path = f"{PROVIDERS_PREFIX}{provider}/{version}/sums/{sums}/SHA256SUMS"
-    document["download_url"] = url(
-        f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}")
-    document["shasums_url"] = url(sums_path)
-    document["shasums_signature_url"] = url(sums_path + ".sig")
+    document["download_url"] = _public_url(
+        request, f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}")
+    document["shasums_url"] = _public_url(request, sums_path)
+    document["shasums_signature_url"] = _public_url(request, sums_path + ".sig")
     return json_response(document)
 
 
@@ -147,7 +153,7 @@ async def provider_sums(request: web.Request) -> web.Response:
     provider = _provider(request)
     version = parse_version(request.match_info["version"])
     name, file = request.match_info["sums"], request.match_info["file"]
-    if not _SUMS_ID.fullmatch(name) or file not in ("SHA256SUMS", "SHA256SUMS.sig"):
+    if not SUMS_ID.fullmatch(name) or file not in ("SHA256SUMS", "SHA256SUMS.sig"):
         raise NotFound("no such file")
     sums, signature = await request.app[REGISTRY_KEY].signed_sums(provider, version, name)
     if file == "SHA256SUMS":
@@ -177,10 +183,7 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
         await registry.download(module, version)
         archive_path = (f"{MODULES_PREFIX}{module}/{version}/"
                         f"{module.name}-{module.system}-{version}.tar.gz")
-        location = public_base(request) + archive_path.lstrip("/")
-        signer = request.app.get(SIGNER_KEY)
-        if signer is not None:
-            location += "?" + signer.query(archive_path)
+        location = _public_url(request, archive_path)
         # Terraform reads the header (204 or 200), OpenTofu the JSON body of a 200.
         response = json_response({"location": location})
         response.headers["X-Terraform-Get"] = location

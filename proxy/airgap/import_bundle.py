@@ -1,0 +1,194 @@
+"""Air-gap import: a bundle's manifest signature is checked, and that the tar holds exactly
+what the manifest lists, then all of it is verified again (signatures, checksums, h1) before
+anything enters the cache; any mismatch refuses the whole bundle. A directory written by
+`terraform providers mirror` imports too (its packages checked against its h1 hashes)."""
+
+from __future__ import annotations
+
+import tarfile
+import zipfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import pysequoia
+
+from proxy.airgap import publish
+from proxy.airgap.entries import ModuleEntry, ProviderEntry, parse_contents
+from proxy.airgap.manifest import (
+    MANIFEST,
+    BundleError,
+    Counts,
+    check_members,
+    check_signature,
+    members_of,
+    open_bundle,
+    parse_manifest,
+    read_small,
+    stage,
+)
+from proxy.airgap.mirror_import import import_mirror
+from proxy.config.settings import Config
+from proxy.core.errors import IntegrityError
+from proxy.protocols.module_registry import recorded_sha256
+from proxy.store import layout
+from proxy.store.disk import DiskBlobStore
+from proxy.store.disk_import import CacheChanges, IndexReader, cache_work, existing_index
+from proxy.upstream.documents import parse_sha256sums
+from proxy.verification.hashes import h1_of_zip, sha256_of_path
+from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
+from proxy.verification.signatures import verify_detached
+
+
+def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
+                     trusted_keys: list[str] | None) -> VerifiedPackage:
+    """Every check a live fill makes, on the staged files; BundleError names what failed."""
+    sums = staged[entry.sums].read_bytes()
+    signature = staged[entry.signature].read_bytes()
+    # The registry's signature must verify with the keys the exporter fetched with the
+    # package, as for a live fill: the bundle's own signature vouches for those keys.
+    checks = [(list(entry.signing_keys), "the keys in the bundle")] if entry.signing_keys \
+        or entry.provider.hostname not in UNSIGNED_ALLOWED_HOSTS else []
+    if trusted_keys is not None:  # the operator's extra check: these keys must agree
+        checks.append((trusted_keys, "any of the --trusted-keys"))
+    for keys, which in checks:
+        try:
+            verify_detached(sums, signature, keys)
+        except IntegrityError as exc:
+            raise BundleError(f"{entry.signature}: the signature does not verify with "
+                              f"{which} ({exc.message})") from None
+    if parse_sha256sums(sums).get(entry.filename) != entry.shasum:
+        raise BundleError(f"{entry.sums}: no matching line for {entry.filename}")
+    zip_path = staged[entry.zip]
+    if sha256_of_path(zip_path) != entry.shasum:
+        raise BundleError(f"{entry.zip}: sha256 does not match the signed checksum")
+    try:
+        h1 = h1_of_zip(zip_path)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        raise BundleError(f"{entry.zip}: not a valid zip") from None
+    if entry.h1 is not None and entry.h1 != h1:
+        raise BundleError(f"{entry.zip}: h1 does not match")
+    return VerifiedPackage(entry.filename, entry.shasum, h1, zip_path.stat().st_size,
+                           entry.sums_id, entry.document)
+
+
+def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.Cert] | None,
+                  trusted_keys: list[str] | None = None) -> Counts:
+    """Verify everything in the bundle, then add it to the cache (all or nothing).
+
+    bundle_keys: the exporters' public keys; the manifest signature must verify with one of
+    them, and then the registry keys the bundle carries are trusted for provider signatures.
+    None: nothing checks the bundle's origin (the operator vouches for the path it came
+    over). trusted_keys: armored OpenPGP keys that provider signatures must also verify
+    with."""
+    tar = open_bundle(bundle)
+    try:
+        with tar:
+            return _import_from(config, tar, bundle_keys, trusted_keys)
+    except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
+        raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
+
+
+def _import_from(config: Config, tar: tarfile.TarFile,
+                 bundle_keys: Sequence[pysequoia.Cert] | None,
+                 trusted_keys: list[str] | None) -> Counts:
+    members = members_of(tar)
+    manifest_bytes = read_small(tar, members, MANIFEST)
+    # Origin first, then the manifest's promises about the tar's members and what it says
+    # the bundle carries: nothing is copied, nor the cache touched, before all of it holds.
+    signed_by = "" if bundle_keys is None else check_signature(manifest_bytes, tar, members,
+                                                               bundle_keys)
+    manifest, listed = parse_manifest(manifest_bytes)
+    check_members(listed, members, max(config.upstream.max_archive_size,
+                                        config.modules.max_archive_size))
+    contents = parse_contents(manifest, listed)
+    publish.check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
+                       "the bundle's members")
+    with cache_work(config.cache.dir) as store:
+        staging = store.work_dir()
+        staged = stage(tar, members, listed, staging)
+        packages = [(entry, _verify_provider(entry, staged, trusted_keys))
+                    for entry in contents.providers]
+        changes = CacheChanges(store)
+        with existing_index(config.cache.dir) as index:
+            old_packages = _plan_packages(changes, index, store, staged, packages)
+            old_modules = _plan_modules(changes, index, store, staged, listed,
+                                        contents.modules)
+            for version_list in contents.versions:
+                publish.plan_list(changes, index, layout.version_list_record(version_list.provider),
+                                  list(version_list.entries), lambda v: v["version"])
+        publish.apply_changes(changes)
+        publish.measure(store, changes)
+    return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
+                  signed_by=signed_by, present=old_packages + old_modules)
+
+
+def _plan_packages(changes: CacheChanges, index: IndexReader | None,
+                   store: DiskBlobStore, staged: dict[str, Path],
+                   packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
+    """Plan the packages' files and records; returns how many the cache already holds. What
+    the cache holds stays: a different package under the same name refuses the bundle."""
+    present = 0
+    for entry, package in packages:
+        existing = index.get(entry.record_key) if index is not None else None
+        if isinstance(existing, dict) and existing.get("shasum") != package.shasum:
+            raise BundleError(f"{entry.zip}: the cache holds a different package under "
+                              "this name")
+        sums = staged[entry.sums].read_bytes()
+        held_sums = index.get(entry.sums_key) if index is not None else None
+        if isinstance(held_sums, dict):
+            if bytes(held_sums.get("sums", b"")) != sums:
+                raise BundleError(f"{entry.sums}: the cache holds a different SHA256SUMS "
+                                  "under this name")
+        else:
+            changes.set_record(entry.sums_key, {
+                "sums": sums, "signature": staged[entry.signature].read_bytes(),
+                "signed_by": "", "url": ""})
+        if isinstance(existing, dict) \
+                and publish.regular_sha256(store.path_of(entry.archive_key)) == package.shasum:
+            present += 1
+            continue
+        changes.put_file(staged[entry.zip], entry.archive_key)
+        changes.set_record(entry.record_key, asdict(package))
+    return present
+
+
+def _plan_modules(changes: CacheChanges, index: IndexReader | None,
+                  store: DiskBlobStore, staged: dict[str, Path],
+                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> int:
+    """Plan the module archives, the sha256 each is served and exported against, and their
+    version lists; returns how many the cache already holds. A different archive under the
+    same name refuses the bundle."""
+    present = 0
+    for entry in modules:
+        size, sha256 = listed[entry.archive]
+        held = publish.regular_sha256(store.path_of(entry.archive_key))
+        if held == sha256:
+            present += 1
+        elif held is not None:
+            raise BundleError(f"{entry.archive}: the cache holds a different module "
+                              "archive under this name")
+        else:
+            changes.put_file(staged[entry.archive], entry.archive_key)
+        record_key = layout.module_archive_record(entry.module, entry.version)
+        if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
+            # No identity yet: the first hit reads the archive once against this sha256.
+            changes.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
+        publish.plan_list(changes, index, layout.module_version_list_record(entry.module),
+                          [entry.version], str)
+    return present
+
+
+def import_mirror_directory(config: Config, directory: Path) -> Counts:
+    """Import what `terraform providers mirror` wrote (see proxy.airgap.mirror_import)."""
+    imported, present = import_mirror(config, directory)
+    return Counts(imported, 0, present=present)
+
+
+def split_armored_keys(text: str) -> list[str]:
+    """Each armored public key block of a file that may hold several."""
+    marker = "-----BEGIN PGP PUBLIC KEY BLOCK-----"
+    blocks = [marker + part for part in text.split(marker)[1:]]
+    if not blocks:
+        raise BundleError("the trusted keys file holds no armored OpenPGP public key")
+    return blocks

@@ -1,0 +1,44 @@
+"""`serve`: check what the proxy needs to start (directories, certificate, signing key),
+then serve in this process or in workers."""
+
+from __future__ import annotations
+
+from proxy.cli.logs import configure_logging
+from proxy.cli.messages import fail
+from proxy.cli.server import run_loop, run_server
+from proxy.cli.workers import serve_workers
+from proxy.config import Config
+from proxy.tls.certificates import TlsStateError, ensure_certificate, ssl_context
+from proxy.tls.state import StatePaths, adopt_legacy_state
+from proxy.web.auth import SigningKeyError, load_signing_key
+
+
+def serve(config: Config) -> int:
+    """Run the proxy (HTTPS) until stopped; the exit status."""
+    configure_logging(config.server.log_level.upper(),
+                      "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = config.server
+    for key, directory in (("cache.dir", config.cache.dir), ("server.state_dir",
+                                                             server.state_dir)):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return fail(f"{key} {directory}: {exc.strerror}")
+    try:
+        adopt_legacy_state(config.cache.dir, StatePaths(server.state_dir))
+        certificate = ensure_certificate(server)
+        context = ssl_context(certificate)
+    except TlsStateError as exc:
+        return fail(str(exc))
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        where = (f"server.tls_cert {server.tls_cert} / server.tls_key {server.tls_key}"
+                 if server.tls_cert else f"generated certificate under {server.state_dir}/tls")
+        return fail(f"cannot load the serving certificate ({where}): {exc}")
+    if config.auth.enabled:
+        try:  # once, here: workers would each fail on a bad key, each with its own message
+            load_signing_key(StatePaths(server.state_dir).signing_key)
+        except SigningKeyError as exc:
+            return fail(f"cannot start: {exc}")
+    if server.workers > 1:
+        return serve_workers(config, certificate.ca)
+    return run_loop(run_server(config, context, certificate.ca), server.event_loop)

@@ -1,0 +1,90 @@
+"""One serving process: the app behind TLS listeners until a stop signal, on the chosen
+event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sqlite3
+import ssl
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from proxy.app import create_app
+from proxy.cli.messages import fail
+from proxy.config import Config
+from proxy.store.disk_space import describe_start_failure
+from proxy.web.access_log import JsonAccessLogger, PlainAccessLogger
+from proxy.web.auth import SigningKeyError
+from proxy.web.http_server import ProxyRunner
+from proxy.web.routes import METRICS_KEY
+from proxy.web.shutdown import StopSignals, stop_serving
+from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
+
+log = logging.getLogger("proxy")
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
+    """Run on uvloop (faster sockets and TLS) when asked for and installed, else on
+    asyncio's default loop."""
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; using asyncio's event loop")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path | None,
+                     reuse_port: bool = False, announce: bool = True) -> int:
+    """Serve until SIGTERM (or SIGINT, unless a worker), then stop gracefully; the exit
+    status."""
+    server = config.server
+    access_class: type[PlainAccessLogger | JsonAccessLogger] = (
+        JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
+    access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
+    runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
+                         access_log_class=access_class,
+                         keepalive_timeout=server.keepalive_timeout)
+    try:
+        await runner.setup()  # opens the cache: its directories, the index
+    except (SigningKeyError, OSError, sqlite3.Error) as exc:
+        with contextlib.suppress(Exception):  # close what started before the failure
+            await runner.app.cleanup()
+        if isinstance(exc, SigningKeyError):  # damaged, or the state directory not writable
+            return fail(f"cannot start: {exc}")
+        return fail(describe_start_failure(config.cache.dir, exc))  # e.g. a full disk
+    trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
+                  else "clients must trust the CA that issued server.tls_cert")
+    failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)
+    connections = open_connections(server, runner.app[METRICS_KEY])
+    # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
+    hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
+    try:
+        for host in hosts:
+            await TlsSite(runner, host, server.port, context, failures, connections,
+                          reuse_port=reuse_port or None).start()
+    except OSError as exc:
+        await runner.cleanup()
+        return fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
+                    f"{exc.strerror or exc}")
+    if generated_ca is not None and announce:
+        log.info("serving with a generated certificate; clients trust it with "
+                 "SSL_CERT_FILE=%s", generated_ca)
+    if announce:
+        log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
+                 server.port, server.base_url, config.cache.dir)
+    signals = StopSignals()
+    # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
+    signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))
+    await signals.stop.wait()
+    log.info("shutting down: no new connections; responses under way get %g s to finish",
+             server.shutdown_timeout)
+    await stop_serving(runner, server.shutdown_timeout, signals.cut)
+    return 0

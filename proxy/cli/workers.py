@@ -1,0 +1,86 @@
+"""`serve` with server.workers > 1: N processes on one port (SO_REUSEPORT) sharing the disk
+cache, supervised by the parent."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
+import time
+from pathlib import Path
+
+from proxy.cli.logs import configure_logging
+from proxy.cli.server import run_loop, run_server
+from proxy.config import Config
+from proxy.tls.certificates import ensure_certificate, ssl_context
+from proxy.web.shutdown import EXIT_MARGIN, die_with_parent
+
+log = logging.getLogger("proxy")
+
+
+def serve_workers(config: Config, generated_ca: Path | None) -> int:
+    """Start the workers and wait for them. The parent forwards SIGTERM/SIGINT and waits
+    for the workers' graceful stop (killing any still there after the grace period and a
+    margin); when one worker dies, it stops the others and exits with its status. Workers
+    watch the parent and stop when it dies, however it dies."""
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
+                             name=f"worker-{index}") for index in range(config.server.workers)]
+    deadline: float | None = None
+
+    def stop(_signum: int = signal.SIGTERM, _frame: object = None) -> None:
+        nonlocal deadline
+        if deadline is None:
+            deadline = time.monotonic() + config.server.shutdown_timeout + EXIT_MARGIN
+        for worker in workers:  # a second signal is forwarded too: the workers cut at once
+            if worker.is_alive():
+                worker.terminate()
+
+    # A signal interrupts the wait below (its handler alone would not: the wait resumes).
+    wake_read, wake_write = socket.socketpair()
+    wake_write.setblocking(False)
+    signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
+    signal.signal(signal.SIGINT, stop)
+    running = []
+    for worker in workers:
+        if deadline is None:  # not if a signal came meanwhile: it could not reach this one
+            worker.start()
+            running.append(worker)
+    log.info("started %d worker processes", len(running))
+    code = 0
+    while running:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait([wake_read, *(w.sentinel for w in running)],
+                                                timeout)
+        if wake_read in ready:
+            wake_read.recv(512)
+        for worker in [w for w in running if not w.is_alive()]:
+            running.remove(worker)
+            worker.join()
+            if deadline is None:
+                log.error("%s exited (%s); stopping the others", worker.name, worker.exitcode)
+                code = worker.exitcode or 1
+                stop()
+        if running and deadline is not None and time.monotonic() >= deadline:
+            for worker in running:
+                log.error("%s did not stop within %.0f s; killing it", worker.name,
+                          config.server.shutdown_timeout + EXIT_MARGIN)
+                worker.kill()
+                worker.join()
+            running, code = [], code or 1
+    return code if code >= 0 else 1
+
+
+def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
+    configure_logging(config.server.log_level.upper(),
+                      f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(config.server.shutdown_timeout)
+    certificate = ensure_certificate(config.server)
+    raise SystemExit(run_loop(run_server(config, ssl_context(certificate), generated_ca,
+                                         reuse_port=True, announce=index == 0),
+                              config.server.event_loop))
