@@ -21,6 +21,7 @@ import pytest
 import yaml
 from aiohttp import web
 from cryptography import x509
+from kubernetes_validate.utils import latest_version
 
 from proxy.cli import main
 from proxy.cli.client_config import render_client_config
@@ -33,9 +34,11 @@ from proxy.web.routes import add_routes
 
 ROOT = Path(__file__).parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
-# A release whose schemas kubernetes-validate ships (offline), with native sidecars (1.29+)
-# and the preStop sleep action on by default (1.30+).
+# The oldest release the README promises (native sidecars since 1.29, the preStop sleep
+# action since 1.30, both on by default in 1.33) and the newest whose schemas
+# kubernetes-validate ships (offline).
 KUBERNETES_VERSION = "1.33.0"
+VERSIONS = [KUBERNETES_VERSION, latest_version()]
 SECRET_NAME = "tf-registry-proxy-state"
 SERVICE_NAME = "tf-registry-proxy.example.svc"
 
@@ -166,11 +169,12 @@ def tree(root: Path) -> dict[str, tuple[int, bytes]]:
 
 # --- the API schemas ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(("name", "document"), documents(),
                          ids=[f"{n}:{d['kind']}" for n, d in documents()])
-def test_every_manifest_is_valid_against_the_api_schemas(name: str,
-                                                         document: dict[str, Any]) -> None:
-    kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+def test_every_manifest_is_valid_against_the_api_schemas(name: str, document: dict[str, Any],
+                                                         version: str) -> None:
+    kubernetes_validate.validate(document, version, strict=True)
 
 
 BREAKAGES = {
@@ -299,12 +303,13 @@ def test_the_proxy_runs_as_the_image_user_on_a_read_only_root(pod: str, tmp_path
     # What the proxy writes is on volumes: the cache and temp files.
     mounts = mounted_state(tmp_path, spec)
     config = load_as_mounted(mounts, environ=env_of(proxy_container(spec)))
-    writable = {path: mounts[path] for path in mounts
-                if "emptyDir" in {v["name"]: v for v in spec["volumes"]}[
-                    next(m["name"] for m in proxy_container(spec)["volumeMounts"]
-                         if m["mountPath"] == path)]}
-    assert set(writable) == {"/var/cache/tf-registry-proxy", "/tmp"}
-    assert config.cache.dir == writable["/var/cache/tf-registry-proxy"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    writable = {m["mountPath"] for m in proxy_container(spec)["volumeMounts"]
+                if "emptyDir" in volumes[m["name"]]}
+    assert writable == {"/var/cache/tf-registry-proxy", "/tmp"}
+    assert all(m.get("readOnly") for m in proxy_container(spec)["volumeMounts"]
+               if m["mountPath"] not in writable)
+    assert config.cache.dir == mounts["/var/cache/tf-registry-proxy"]
     assert env_of(proxy_container(spec))["TMPDIR"] == "/tmp"
 
 
