@@ -236,6 +236,9 @@ class DiskBlobStore:
             return f"cache directory {self.files.tmp} is not writable: {exc.strerror}"
         return self.files.disk.problem()
 
+    async def direct_url(self, key: str) -> None:
+        """Files are sent by the proxy."""
+        return None
 
 
 async def open_disk_storage(config: CacheConfig, metrics: Metrics,
