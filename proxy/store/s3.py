@@ -249,7 +249,7 @@ class S3BlobStore:
             opened = await self.hot.open(_copy_key(found))
             if opened is not None:
                 return HotBlob(info, opened)
-            if self.hot.files.max_size is not None and found.size > self.hot.files.max_size:
+            if self._too_big(found):
                 return RemoteBlob(found, self.objects, self.hot.files.tmp)
             try:
                 await self._fetches.run(_copy_key(found),
@@ -279,6 +279,8 @@ class S3BlobStore:
 
     async def _keep_copy(self, found: ObjectInfo, spool: Path, required: bool = False) -> None:
         """The spool as the hot copy of found, older copies of its key dropped."""
+        if self._too_big(found):
+            return
         try:
             await self.hot.publish(_copy_key(found), spool)
         except (OSError, InsufficientStorage) as exc:
@@ -288,6 +290,10 @@ class S3BlobStore:
         for other in await self.hot.list(found.key + _COPY):
             if other.key != _copy_key(found):
                 await self.hot.delete(other.key, other.identity)
+
+    def _too_big(self, found: ObjectInfo) -> bool:
+        limit = self.hot.files.max_size
+        return limit is not None and found.size > limit
 
     async def _newest_copy(self, key: str) -> tuple[BlobInfo, str] | None:
         copies = [(info, copy.key) for copy in await self.hot.list(key + _COPY)

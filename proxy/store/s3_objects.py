@@ -37,6 +37,7 @@ BACKEND = "s3"
 # (S3's parts are 5 MiB at least, except the last).
 SINGLE_PUT_LIMIT = 16 << 20
 PART_SIZE = 8 << 20
+LIST_PAGE = 1000  # S3's own most keys per listing page
 _CHUNK = 256 << 10
 # How long after a failure to reach the store requests fail at once, instead of each waiting
 # for its own connection attempt; a probe ends it sooner.
@@ -205,7 +206,8 @@ class ObjectStore:
         while True:
             options: dict[str, Any] = {} if token is None else {"ContinuationToken": token}
             page = await self._call("list", self._client.list_objects_v2,
-                                    Bucket=self.bucket, Prefix=self.prefix + prefix, **options)
+                                    Bucket=self.bucket, Prefix=self.prefix + prefix,
+                                    MaxKeys=LIST_PAGE, **options)
             found += [ObjectInfo(item["Key"][len(self.prefix):], item["Size"], item["ETag"],
                                  int(item["LastModified"].timestamp()))
                       for item in page.get("Contents", [])]
