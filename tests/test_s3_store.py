@@ -13,8 +13,9 @@ import pytest
 
 import proxy.store.s3_objects
 from proxy.core.metrics import Metrics
+from proxy.store.disk import DiskBlob
 from proxy.store.protocol import BlobStore
-from proxy.store.s3 import HotBlob, RemoteBlob, S3BlobStore
+from proxy.store.s3 import RemoteBlob, S3BlobStore
 from proxy.store.s3_objects import StoreUnavailable
 from tests.support.metrics import sample
 from tests.support.seaweedfs import S3Server
@@ -59,7 +60,7 @@ async def test_hot_copies_stay_within_max_size_and_evicted_ones_come_back_from_t
         assert await blobs.stat(keys[0]) is not None  # the bucket still has it
         assert await content(blobs, keys[0]) == bytes([0]) * 1000
         opened = await blobs.open(keys[0])
-        assert isinstance(opened, HotBlob) and opened.local_path.exists()  # sendfile
+        assert isinstance(opened, DiskBlob) and opened.local_path.exists()  # sendfile
         opened.close()
 
 

@@ -72,40 +72,6 @@ def _from_copy(key: str, copy: BlobInfo) -> BlobInfo | None:
     return BlobInfo(key, copy.size, float(mtime), _identity(tag, copy.size, int(mtime)))
 
 
-class HotBlob:
-    """A blob opened from its hot copy: a local file, described as the object it copies."""
-
-    def __init__(self, info: BlobInfo, copy: DiskBlob) -> None:
-        self._info = info
-        self._copy = copy
-
-    @property
-    def info(self) -> BlobInfo:
-        """The object's key, size, mtime and identity."""
-        return self._info
-
-    @property
-    def local_path(self) -> Path:
-        """The open hot copy (sendfile)."""
-        return self._copy.local_path
-
-    def file(self) -> BinaryIO:
-        """The open hot copy."""
-        return self._copy.file()
-
-    def current_identity(self) -> FileIdentity:
-        """Objects never change in place."""
-        return self._info.identity
-
-    def chunks(self, start: int = 0, end: int | None = None) -> AsyncGenerator[bytes, None]:
-        """Bytes start..end of the hot copy."""
-        return self._copy.chunks(start, end)
-
-    def close(self) -> None:
-        """Release the hot copy (eviction may take it again)."""
-        self._copy.close()
-
-
 class RemoteBlob:
     """A blob read from the bucket itself, with ranged GETs (one too big for hot copies)."""
 
@@ -215,40 +181,44 @@ class S3BlobStore:
             spool.unlink(missing_ok=True)  # synchronous: also when cancelled
             raise
 
-    async def stat(self, key: str) -> BlobInfo | None:
-        """One HEAD; the newest hot copy's word for it when the bucket is unreachable."""
+    async def _find(self, key: str) -> ObjectInfo | tuple[BlobInfo, str] | None:
+        """The object at key (one HEAD); while the bucket is unreachable, the blob its
+        newest hot copy says it is a copy of, and that copy's key (StoreUnavailable if
+        there is none)."""
         check_key(key)
         try:
-            found = await self.objects.head(key)
+            return await self.objects.head(key)
         except StoreUnavailable:
             copy = await self._newest_copy(key)
             if copy is None:
                 raise
-            return copy[0]
-        return None if found is None else _blob_info(found)
+            return copy
 
-    async def open(self, key: str) -> HotBlob | RemoteBlob | None:
+    async def stat(self, key: str) -> BlobInfo | None:
+        """One HEAD; the newest hot copy's word for it when the bucket is unreachable."""
+        found = await self._find(key)
+        if isinstance(found, ObjectInfo):
+            return _blob_info(found)
+        return None if found is None else found[0]
+
+    async def open(self, key: str) -> DiskBlob | RemoteBlob | None:
         """The blob's hot copy, fetched whole first if there is none (once, however many
         ask); a blob too big for hot copies is read from the bucket. While the bucket is
         unreachable, the newest hot copy is served."""
-        check_key(key)
         for _attempt in range(2):
-            try:
-                found = await self.objects.head(key)
-            except StoreUnavailable:
-                copy = await self._newest_copy(key)
-                if copy is None:
-                    raise
-                opened = await self.hot.open(copy[1])
-                if opened is None:
-                    raise
-                return HotBlob(copy[0], opened)
+            found = await self._find(key)
             if found is None:
                 return None
+            if isinstance(found, tuple):  # the bucket is unreachable
+                opened = await self.hot.open(found[1])
+                if opened is None:
+                    raise StoreUnavailable(self.objects.problem() or "the object store is "
+                                           "unreachable, and the local copy went")
+                return opened.copy_of(found[0])
             info = _blob_info(found)
             opened = await self.hot.open(_copy_key(found))
             if opened is not None:
-                return HotBlob(info, opened)
+                return opened.copy_of(info)
             if self._too_big(found):
                 return RemoteBlob(found, self.objects, self.hot.files.tmp)
             try:
@@ -262,7 +232,7 @@ class S3BlobStore:
                 return RemoteBlob(found, self.objects, self.hot.files.tmp)
             opened = await self.hot.open(_copy_key(found))
             if opened is not None:
-                return HotBlob(info, opened)
+                return opened.copy_of(info)
         return None
 
     async def _fetch(self, found: ObjectInfo) -> None:
