@@ -7,12 +7,10 @@ is the image's, and the IAM policy allows what the README explains."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import secrets
 import socket
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ from kubernetes_validate.utils import latest_version
 from proxy.cli import main
 from proxy.cli.client_config import render_client_config
 from proxy.config import Config, load_config
-from proxy.config.settings import CacheConfig
 from proxy.tls.certificates import ensure_certificate, ssl_context
 from proxy.tls.state import StatePaths
 from proxy.web.auth import load_signing_key
@@ -105,21 +102,6 @@ def readme_section() -> str:
     return text[start:text.index("\n## ", start + 1)]
 
 
-def without_s3_table(toml: str) -> str:
-    """The TOML without its [cache.s3] table, for a loader that does not know it yet."""
-    kept, skipping = [], False
-    for line in toml.splitlines(keepends=True):
-        if line.startswith("["):
-            skipping = line.strip() == "[cache.s3]"
-        if not skipping:
-            kept.append(line)
-    return "".join(kept)
-
-
-def loader_knows_s3() -> bool:
-    return any("s3" in f.name for f in dataclasses.fields(CacheConfig))
-
-
 def mounted_state(tmp_path: Path, pod_spec: dict[str, Any]) -> dict[str, Path]:
     """The proxy container's volumes as directories under tmp_path, filled as the kubelet
     would: the Secret made by the README's commands (from a CA that `tls rotate` creates),
@@ -153,7 +135,7 @@ def mounted_state(tmp_path: Path, pod_spec: dict[str, Any]) -> dict[str, Path]:
 
 def load_as_mounted(mounts: dict[str, Path], environ: dict[str, str]) -> Config:
     """The ConfigMap's TOML with the pod's paths moved to their directories here."""
-    text = config_toml() if loader_knows_s3() else without_s3_table(config_toml())
+    text = config_toml()
     # One pass, longest first: a directory here may itself start with a mount path (/tmp).
     pattern = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
     text = re.sub(f'"({pattern})(?=[/"])', lambda m: f'"{mounts[m.group(1)]}', text)
@@ -232,14 +214,36 @@ def test_the_configmap_loads_and_the_secret_serves_without_writes(tmp_path: Path
     assert {"localhost", SERVICE_NAME} <= set(names.get_values_for_type(x509.DNSName))
 
 
-def test_the_configmap_names_the_shared_bucket() -> None:
-    s3 = tomllib.loads(config_toml())["cache"]["s3"]
-    assert set(s3) == {"bucket", "region", "prefix", "serve"}
-    assert s3["serve"] in ("stream", "redirect")
+def test_the_configmap_names_the_shared_bucket(tmp_path: Path) -> None:
+    spec = deployment()["spec"]["template"]["spec"]
+    s3 = load_as_mounted(mounted_state(tmp_path, spec), environ={}).cache.s3
+    assert s3 is not None and s3.endpoint_url is None  # AWS, as iam-policy.json is for
     policy = json.loads((DEPLOY / "iam-policy.json").read_text())
-    resources = {r for s in policy["Statement"] for r in [s["Resource"]]}
-    assert resources == {f"arn:aws:s3:::{s3['bucket']}",
-                         f"arn:aws:s3:::{s3['bucket']}/{s3['prefix']}*"}
+    resources = {s["Resource"] for s in policy["Statement"]}
+    assert resources == {f"arn:aws:s3:::{s3.bucket}", f"arn:aws:s3:::{s3.bucket}/{s3.prefix}*"}
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes binary quantity ("30Gi") in bytes."""
+    match = re.fullmatch(r"(\d+)([KMGT])i", text)
+    assert match is not None, text
+    return int(match.group(1)) * 1024 ** ("KMGT".index(match.group(2)) + 1)
+
+
+@pytest.mark.parametrize("pod", ["deployment", "sidecar"])
+def test_the_cache_fits_its_empty_dir(pod: str, tmp_path: Path) -> None:
+    spec = deployment()["spec"]["template"]["spec"] if pod == "deployment" \
+        else runner_pod()["spec"]
+    config = load_as_mounted(mounted_state(tmp_path, spec), environ={})
+    (mount,) = [m for m in proxy_container(spec)["volumeMounts"]
+                if m["mountPath"] == "/var/cache/tf-registry-proxy"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    # The hot copies (bounded by max_size) and a spool for every fill that may run at once:
+    # past sizeLimit the kubelet evicts the pod.
+    assert config.cache.max_size is not None
+    needed = config.cache.max_size \
+        + config.upstream.max_concurrent_fills * config.upstream.max_archive_size
+    assert needed <= quantity(volume["emptyDir"]["sizeLimit"])
 
 
 def test_probes_and_ports_are_the_ones_the_proxy_serves(tmp_path: Path) -> None:

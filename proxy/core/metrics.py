@@ -73,6 +73,13 @@ class Metrics:
             "tfproxy_connections_cut", "Client connections closed because the client was too "
             "slow (handshake_timeout, head_timeout).", "reason")
         self.fills_in_flight = gauge("tfproxy_fills_in_flight", "Upstream fills under way.")
+        self.store_operations = counter(
+            "tfproxy_store_operations", "Requests to the storage backend by backend, operation "
+            "(head, get, put, list, delete, ...) and outcome (ok, absent, conflict, error, "
+            "unreachable).", "backend", "operation", "outcome")
+        self.store_latency = Histogram("tfproxy_store_operation_seconds",
+                                       "Storage backend request latency.",
+                                       ["backend", "operation"], registry=registry)
 
     def render(self) -> bytes:
         """The text exposition format."""

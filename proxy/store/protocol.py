@@ -149,6 +149,11 @@ class BlobStore(Protocol):
         """Why the store cannot take writes now (blocking), or None."""
         ...
 
+    async def direct_url(self, key: str) -> str | None:
+        """A URL clients may fetch the blob at themselves, when the operator asked for that
+        (cache.s3.serve = "redirect"); None: the proxy sends it."""
+        ...
+
 
 class MetadataIndex(Protocol):
     """Small JSON-able documents by key: verified facts, version lists, leases."""
