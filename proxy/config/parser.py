@@ -52,7 +52,10 @@ class _Parser:
         if cache_table.get("max_size") not in (None, "", 0, "0"):
             max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
         cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
-                            or default_cache_dir(), max_size=max_size)
+                            or default_cache_dir(), max_size=max_size,
+                            lease_seconds=self._number("cache.lease_seconds", cache_table,
+                                                       "lease_seconds",
+                                                       CacheConfig.lease_seconds))
         if server.state_dir.resolve().is_relative_to(cache.dir.resolve()):
             self.problems.append(f"server.state_dir: {str(server.state_dir)!r} is inside "
                                  f"cache.dir {str(cache.dir)!r}; keep it apart (clearing the "

@@ -82,6 +82,9 @@ class CacheConfig:
 
     dir: Path = field(default_factory=default_cache_dir)
     max_size: int | None = None  # bytes of packages and modules; None: no limit
+    # How long a fill lease in a shared store lasts unrenewed (renewed every third of it):
+    # a replica that dies mid-fill is taken over after at most this.
+    lease_seconds: float = 30.0
 
 
 class Secret:
@@ -208,7 +211,7 @@ ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
                "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
                "request_head_timeout", "keepalive_timeout", "max_connections"),
-    "cache": ("dir", "max_size"),
+    "cache": ("dir", "max_size", "lease_seconds"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",
                  "max_concurrent_fills"),
