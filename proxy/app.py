@@ -24,6 +24,7 @@ from proxy.upstream.egress_gate import EgressGate
 from proxy.upstream.git import combined_ca_bundle
 from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
+from proxy.upstream.module_sources import ModuleSourceFetcher
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
@@ -101,8 +102,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
     git_gate = EgressGate(egress, config.upstream.connect_timeout)
     opened.push_async_callback(git_gate.close)
-    modules = ModuleRegistry(ModuleRegistryClient(http, discovery), http, cache, archives,
-                             config, metrics, filters, git_ca, git_gate)
+    sources = ModuleSourceFetcher(http, config.modules, git_ca, git_gate)
+    modules = ModuleRegistry(ModuleRegistryClient(http, discovery), sources, cache, archives,
+                             config.upstream, metrics, filters)
     opened.push_async_callback(modules.close)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror

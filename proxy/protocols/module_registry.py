@@ -15,19 +15,18 @@ import logging
 import shutil
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
-from proxy.config import Config
+from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.errors import NotFound, Offline, ProxyError
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress
-from proxy.core.redaction import excerpt, mask_secrets
+from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import SingleFlight
-from proxy.modules.packing import pack, read_packed, select_subdir, unpack
-from proxy.modules.sources import ModuleSource, UnsupportedSource, parse_source
+from proxy.modules.packing import read_packed
+from proxy.modules.sources import ModuleSource, parse_source
 from proxy.store import layout
 from proxy.store.file_identity import (
     FileIdentity,
@@ -37,11 +36,15 @@ from proxy.store.file_identity import (
 from proxy.store.freshness import RefreshingDocuments
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
-from proxy.upstream import git
-from proxy.upstream.egress_gate import EgressGate
-from proxy.upstream.http import UpstreamHTTP
 from proxy.upstream.module_registry import ModuleRegistryClient
-from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, adopt_stored, fingerprint
+from proxy.upstream.module_sources import ModuleSourceFetcher
+from proxy.verification.stored_hashes import (
+    CheckedFiles,
+    DamagedFile,
+    Vouch,
+    adopt_stored,
+    fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +52,21 @@ log = logging.getLogger(__name__)
 class ModuleRegistry:
     """Answers module registry requests for every allowed upstream host."""
 
-    def __init__(self, client: ModuleRegistryClient, http: UpstreamHTTP, cache: MetadataIndex,
-                 archives: BlobStore, config: Config, metrics: Metrics,
-                 filters: Filters, git_ca_file: Path | None, git_gate: EgressGate) -> None:
+    def __init__(self, client: ModuleRegistryClient, sources: ModuleSourceFetcher,
+                 cache: MetadataIndex, archives: BlobStore, config: UpstreamConfig,
+                 metrics: Metrics, filters: Filters) -> None:
         self._client = client
-        self._http = http
+        self._sources = sources
         self._cache = cache
         self._archives = archives
-        self._config = config
+        self._offline = config.offline
         self._metrics = metrics
-        self._git_ca_file = git_ca_file
-        self._git_gate = git_gate
         self._filters = filters
         self._version_lists = RefreshingDocuments[list[str]](
-            "module_versions", cache, metrics, config.upstream.versions_ttl,
-            encode=list, decode=list, offline=config.upstream.offline)
+            "module_versions", cache, metrics, config.versions_ttl,
+            encode=list, decode=list, offline=config.offline)
         self._archive_fills: SingleFlight[BlobInfo] = SingleFlight(exclusive=self._fill_scope)
-        self._fill_slots = asyncio.Semaphore(config.upstream.max_concurrent_fills)
+        self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
         self._checked = CheckedFiles(archives)
 
     async def close(self) -> None:
@@ -91,7 +92,7 @@ class ModuleRegistry:
         self._filters.require_module(module)
         if await self._archives.stat(layout.module_archive(module, version)) is not None:
             return
-        if self._config.upstream.offline:
+        if self._offline:
             raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
                           "offline")
         if version not in await self._versions(module, wanted=version):
@@ -126,42 +127,23 @@ class ModuleRegistry:
         used), and dropped if it no longer matches. One stored before sha256s were recorded
         is adopted if it reads through as an intact .tar.gz."""
         key = layout.module_archive(module, version)
-        found = await self._archives.stat(key)
-        if found is None:
-            return None
-        identity = found.identity
-        if self._checked.seen(key, identity):  # the common hit: one stat, no index read
-            return found
-        record = await self._cache.get(layout.module_archive_record(module, version)) or {}
-        recorded = recorded_sha256(record)
-        if recorded is not None and identity_from_record(record.get("stored_as")) == identity:
-            self._checked.remember(key, identity)
-            return found
-        if not check:
-            return None
-        try:
-            checked = await self._read_again(module, version, key, identity, recorded)
-        except DamagedFile as damage:
-            async with self._archives.fill_lock(_fill_key(module, version), "module"):
-                await self._drop_damaged(module, version, key, damage)
-            if self._config.upstream.offline:
-                raise Offline(f"the stored archive of module {module} {version} was damaged, "
-                              "and the proxy is offline") from None
-            return None
-        if checked is None:
-            return None  # gone meanwhile
-        self._checked.remember(key, checked[1])
-        await self._record(module, version, *checked)
-        return found
+        return await self._checked.vouched(
+            key, check=check,
+            record=lambda _found: self._record_of(module, version),
+            adopt=lambda: self._adopt(module, version, key),
+            checked=lambda sha256, identity: self._record(module, version, sha256, identity),
+            damaged=lambda damage: self._drop_damaged(module, version, key, damage))
 
-    async def _read_again(self, module: ModuleAddress, version: str, key: str,
-                          identity: FileIdentity, recorded: str | None
-                          ) -> tuple[str, FileIdentity] | None:
-        """The sha256 and identity of a stored archive that matches its record, or that is
-        intact when it has none; None when it is gone. Raises DamagedFile."""
-        if recorded is not None:
-            checked = await self._checked.verify(key, identity, recorded)
-            return None if checked is None else (recorded, checked)
+    async def _record_of(self, module: ModuleAddress, version: str) -> Vouch:
+        """What the index records about the stored archive (nothing, for one stored before
+        sha256s were recorded)."""
+        record = await self._cache.get(layout.module_archive_record(module, version)) or {}
+        return Vouch(recorded_sha256(record), identity_from_record(record.get("stored_as")))
+
+    async def _adopt(self, module: ModuleAddress, version: str,
+                     key: str) -> tuple[str, FileIdentity] | None:
+        """The sha256 and identity of an archive stored with none recorded, if it reads
+        through as an intact .tar.gz; None when it is gone. Raises DamagedFile."""
         adopted = await adopt_stored(self._archives, key, read_packed)
         if adopted is not None:
             log.info("module %s %s: recorded the sha256 of an archive stored without one",
@@ -176,8 +158,18 @@ class ModuleRegistry:
 
     async def _drop_damaged(self, module: ModuleAddress, version: str, key: str,
                             damage: DamagedFile) -> None:
+        """Drop a damaged stored archive under the module's fill lock; offline, that leaves
+        nothing to serve (Offline)."""
+        async with self._archives.fill_lock(_fill_key(module, version), "module"):
+            await self._drop_locked(module, version, key, damage)
+        if self._offline:
+            raise Offline(f"the stored archive of module {module} {version} was damaged, "
+                          "and the proxy is offline")
+
+    async def _drop_locked(self, module: ModuleAddress, version: str, key: str,
+                           damage: DamagedFile) -> None:
         """Delete a damaged stored archive and its record, then count and log it: once, by
-        whoever deletes it. Runs under the module's fill lock."""
+        whoever deletes it."""
         self._checked.forget(key)
         if not await self._archives.delete(key, damage.identity):
             # Gone, or replaced by a fill since it was read: the record is the fill's.
@@ -227,15 +219,12 @@ class ModuleRegistry:
 
     async def _build(self, module: ModuleAddress, version: str,
                      source: ModuleSource) -> BlobInfo:
-        limit = self._config.modules.max_archive_size
         work = await quick(self._archives.work_dir)
         self._metrics.fills_in_flight.inc()
         try:
-            tree = await self._fetch_tree(module, source, work)
-            module_root = await quick(select_subdir, tree, source.subdir)
             packed = self._archives.spool_path()
             try:
-                await slow(pack, module_root, packed, limit)
+                await self._sources.fetch_packed(module, source, work, packed)
                 # Recorded first: no moment when the archive is there and nothing vouches
                 # for it. Publishing on disk renames it, which leaves its identity as it is;
                 # elsewhere the blob gets an identity of its own, recorded once it is known.
@@ -253,23 +242,6 @@ class ModuleRegistry:
         finally:
             self._metrics.fills_in_flight.dec()
             await slow(shutil.rmtree, work, True)
-
-    async def _fetch_tree(self, module: ModuleAddress, source: ModuleSource,
-                          work: Path) -> Path:
-        tree = work / "tree"
-        limit = self._config.modules.max_archive_size
-        if source.kind == "git":
-            await git.clone(source.url, source.ref, tree,
-                            time_limit=self._config.modules.git_timeout,
-                            ca_file=self._git_ca_file, gate=self._git_gate)
-            return tree
-        if source.archive is None:
-            raise UnsupportedSource(f"module location {excerpt(source.url, 200)} is not an archive "
-                                    "(no ?archive= and no known extension)")
-        download = work / "source.archive"
-        await self._http.download(source.url, module.hostname, download, limit)
-        await slow(unpack, download, source.archive, tree, limit)
-        return tree
 
 
 def _fill_key(module: ModuleAddress, version: str) -> str:

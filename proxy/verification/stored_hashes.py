@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -63,6 +64,23 @@ def fingerprint(path: Path) -> tuple[str, FileIdentity]:
         return sha256_of_file(handle), identity
 
 
+@dataclass(frozen=True)
+class Vouch:
+    """What the record of a stored blob says: the sha256 its bytes were stored with (None: not
+    recorded) and the identity of the file seen to hold them (None: not recorded)."""
+
+    sha256: str | None
+    stored_as: FileIdentity | None
+
+
+# What a caller's record does for CheckedFiles.vouched: read it, note a re-checked file in it,
+# drop a damaged file, adopt a file stored with no sha256.
+ReadRecord = Callable[[BlobInfo], Awaitable[Vouch | None]]
+NoteChecked = Callable[[str, FileIdentity], Awaitable[None]]
+DropDamaged = Callable[[DamagedFile], Awaitable[None]]
+Adopt = Callable[[], Awaitable[tuple[str, FileIdentity] | None]]
+
+
 class CheckedFiles:
     """The stored blobs this process has seen match their recorded sha256, by identity: a
     hit on an unchanged blob costs a stat; a changed one is read again once, however many
@@ -93,6 +111,48 @@ class CheckedFiles:
             return identity
         return await self._checks.run((key, identity, sha256),
                                       lambda: self._verify(key, sha256))
+
+    async def vouched(self, key: str, *, record: ReadRecord, checked: NoteChecked,
+                      damaged: DropDamaged, adopt: Adopt | None = None,
+                      check: bool = True) -> BlobInfo | None:
+        """The stored blob at key while its record vouches for this very file. One written to
+        since is read again first (check; without it, under the fill lock, it is just not
+        used): still the recorded sha256, `checked` notes its new identity; not, `damaged`
+        drops it. A record without a sha256: `adopt` reads the blob (stored before sha256s
+        were recorded). `record` answers None: nothing vouches for the blob."""
+        found = await self._store.stat(key)
+        if found is None:
+            return None
+        identity = found.identity
+        if self.seen(key, identity):  # the common hit: one stat, no index read
+            return found
+        vouch = await record(found)
+        if vouch is None:
+            return None
+        if vouch.sha256 is not None and vouch.stored_as == identity:
+            self.remember(key, identity)
+            return found
+        if not check:
+            return None
+        try:
+            read = await self._read_again(key, identity, vouch.sha256, adopt)
+        except DamagedFile as damage:
+            await damaged(damage)
+            return None
+        if read is None:
+            return None  # gone meanwhile
+        self.remember(key, read[1])
+        await checked(*read)
+        return found
+
+    async def _read_again(self, key: str, identity: FileIdentity, sha256: str | None,
+                          adopt: Adopt | None) -> tuple[str, FileIdentity] | None:
+        """The sha256 and identity of a stored blob that matches its record, or that `adopt`
+        accepts when it has none; None when it is gone. Raises DamagedFile."""
+        if sha256 is not None:
+            checked = await self.verify(key, identity, sha256)
+            return None if checked is None else (sha256, checked)
+        return None if adopt is None else await adopt()
 
     async def _verify(self, key: str, sha256: str) -> FileIdentity | None:
         checked = await verify_stored(self._store, key, sha256)

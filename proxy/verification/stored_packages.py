@@ -17,7 +17,7 @@ from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import StoredArchive
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
-from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, h1_of_stored
+from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, Vouch, h1_of_stored
 
 log = logging.getLogger(__name__)
 
@@ -81,41 +81,29 @@ class StoredPackages:
         again first (check; without it, under the fill lock, it is just not used), and
         dropped if it is not the signed package."""
         key = layout.provider_archive(provider, version, platform)
-        found = await self._archives.stat(key)
-        if found is None:
-            return None
-        identity = found.identity
-        if self._checked.seen(key, identity):  # the common hit: one stat, no index read
-            return found
+        return await self._checked.vouched(
+            key, check=check,
+            record=lambda found: self._record_of(provider, version, platform, found),
+            checked=lambda sha256, identity: self._record_identity(
+                provider, version, platform, sha256, identity),
+            damaged=lambda damage: self._drop_damaged(provider, version, platform, key, damage))
+
+    async def _record_of(self, provider: ProviderAddress, version: str, platform: Platform,
+                         found: BlobInfo) -> Vouch | None:
+        """What the verified record says about the stored zip; None without a matching one."""
         package = await self._packages.stored_facts(provider, version, platform)
-        if package is None or package.size != identity.size:
+        if package is None or package.size != found.identity.size:
             log.warning("%s is stored without a matching verified record; fetching it again",
-                        key)
+                        found.key)
             return None
-        if package.stored_as == identity:
-            self._checked.remember(key, identity)
-            return found
-        if not check:
-            return None
-        # Written to, replaced or restored since its bytes were checked (or checked before
-        # identities were recorded): read it again before a client gets it.
-        try:
-            checked = await self._checked.verify(key, identity, package.shasum)
-        except DamagedFile as damage:
-            await self._drop_damaged(provider, version, platform, key, damage)
-            return None
-        if checked is not None:
-            await self._record_identity(provider, version, platform, package, checked)
-        return found if checked is not None else None
+        return Vouch(package.shasum, package.stored_as)
 
     async def _record_identity(self, provider: ProviderAddress, version: str,
-                               platform: Platform, package: VerifiedPackage,
-                               identity: FileIdentity) -> None:
+                               platform: Platform, sha256: str, identity: FileIdentity) -> None:
         """Note which file now holds the checked bytes, so that other processes (and the
         next start) need not read it again."""
         current = await self._packages.stored_facts(provider, version, platform)
-        if current is not None and (current.shasum, current.size) == (package.shasum,
-                                                                       identity.size):
+        if current is not None and (current.shasum, current.size) == (sha256, identity.size):
             await self._packages.save(provider, version, platform,
                                       replace(current, stored_as=identity))
 
