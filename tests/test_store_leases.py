@@ -27,14 +27,10 @@ FAST = LeaseTimings(seconds=0.6, first_poll=0.01, max_poll=0.05, error_patience=
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def store(backend: str, tmp_path: Path,
+async def store(request: pytest.FixtureRequest, tmp_path: Path,
                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpenedStore]:
-    async with open_store(backend, tmp_path, monkeypatch) as opened:
+    """Each backend in turn (and the replicas it opens)."""
+    async with open_store(str(request.param), tmp_path, monkeypatch) as opened:
         yield opened
 
 
