@@ -17,6 +17,7 @@ from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.disk import open_disk_storage
 from proxy.store.protocol import StorageOpener
+from proxy.store.s3 import open_s3_storage
 from proxy.tls.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
@@ -47,9 +48,12 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: Config,
-               open_storage: StorageOpener = open_disk_storage) -> web.Application:
+               open_storage: StorageOpener | None = None) -> web.Application:
     """Build the application; long-lived resources open and close with it (cleanup_ctx).
-    Storage: the cache directory, unless open_storage opens another backend."""
+    Storage: the bucket of cache.s3 if one is set, else the cache directory, unless
+    open_storage opens another backend."""
+    if open_storage is None:
+        open_storage = open_disk_storage if config.cache.s3 is None else open_s3_storage
     metrics = Metrics()
     app = web.Application(middlewares=[error_middleware(metrics), auth_middleware(config.auth)])
     app[CONFIG_KEY] = config

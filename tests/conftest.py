@@ -16,6 +16,7 @@ from proxy.config import Config, load_config
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.git_repos import publish_repo
 from tests.support.gpg import GpgKey, generate_key, stop_agent
+from tests.support.seaweedfs import S3Server, WeedMini
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,17 @@ def upstream_ca_file(upstream_ca: trustme.CA, tmp_path_factory: pytest.TempPathF
     path = tmp_path_factory.mktemp("upstream-ca") / "ca.pem"
     upstream_ca.cert_pem.write_to_path(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS), one per session; tests take a fresh bucket of it. Fails,
+    never skips, when weed is not installed."""
+    weed = WeedMini()
+    try:
+        yield weed.start()
+    finally:
+        weed.stop()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from proxy.store.index import MetadataCache
 from proxy.store.leases import FillLeases, IndexLease, LeaseTimings, lease_key
 from proxy.store.protocol import BlobStore
 from tests.support.controlled_index import ControlledIndex
-from tests.support.stores import BACKENDS, OpenedStore, open_store
+from tests.support.stores import BACKENDS, OpenedStore, expect_no_leases_on_s3, open_store
 
 NAME = "registry.example/acme/thing/1.0.0/linux_amd64"
 # Short enough for fast tests, long enough that a loaded machine renews in time.
@@ -30,7 +30,10 @@ FAST = LeaseTimings(seconds=0.6, first_poll=0.01, max_poll=0.05, error_patience=
 async def store(request: pytest.FixtureRequest, tmp_path: Path,
                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpenedStore]:
     """Each backend in turn (and the replicas it opens)."""
-    async with open_store(str(request.param), tmp_path, monkeypatch) as opened:
+    backend = str(request.param)
+    expect_no_leases_on_s3(backend, request)
+    s3 = request.getfixturevalue("s3_server") if backend == "s3" else None
+    async with open_store(backend, tmp_path, monkeypatch, s3=s3) as opened:
         yield opened
 
 

@@ -81,11 +81,13 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
     known = {CONFIG_ENV}
     for section, keys in ENV_KEYS.items():
         for key in keys:
-            name = f"{ENV_PREFIX}{section}_{key}".upper()
+            name = f"{ENV_PREFIX}{section.replace('.', '_')}_{key}".upper()
             known.add(name)
             value = env.get(name)
             if value is not None:
-                table = raw.setdefault(section, {})
+                table: Any = raw
+                for part in section.split("."):
+                    table = table.setdefault(part, {}) if isinstance(table, dict) else None
                 if isinstance(table, dict):
                     table[key] = value
     return [f"{name}: unknown environment setting (known: TF_REGISTRY_PROXY_<TABLE>_<KEY> "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 import ssl
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from proxy.config.settings import (
     ConfigError,
     FiltersConfig,
     ModulesConfig,
+    S3Config,
     Secret,
     ServerConfig,
     UpstreamConfig,
@@ -28,6 +30,9 @@ from proxy.config.settings import (
 )
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
+
+# S3's rules for a bucket name: 3-63 lowercase letters, digits, dots and hyphens.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 def parse_tables(raw: dict[str, Any], problems: list[str]) -> Config:
@@ -47,7 +52,7 @@ class _Parser:
                                      "auth"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
-        self._unknown(cache_table, "cache.", ENV_KEYS["cache"])
+        self._unknown(cache_table, "cache.", (*ENV_KEYS["cache"], "s3"))
         max_size = None
         if cache_table.get("max_size") not in (None, "", 0, "0"):
             max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
@@ -55,7 +60,8 @@ class _Parser:
                             or default_cache_dir(), max_size=max_size,
                             lease_seconds=self._number("cache.lease_seconds", cache_table,
                                                        "lease_seconds",
-                                                       CacheConfig.lease_seconds))
+                                                       CacheConfig.lease_seconds),
+                            s3=self._s3(self._table(cache_table, "s3")))
         if server.state_dir.resolve().is_relative_to(cache.dir.resolve()):
             self.problems.append(f"server.state_dir: {str(server.state_dir)!r} is inside "
                                  f"cache.dir {str(cache.dir)!r}; keep it apart (clearing the "
@@ -68,6 +74,45 @@ class _Parser:
             raise ConfigError(self.problems)
         return Config(server=server, cache=cache, upstream=upstream, modules=modules,
                       filters=filters, auth=auth)
+
+    def _s3(self, table: dict[str, Any]) -> S3Config | None:
+        self._unknown(table, "cache.s3.", ENV_KEYS["cache.s3"])
+        bucket = self._str("cache.s3.bucket", table, "bucket")
+        if not bucket:
+            if any(table.get(key) for key in table):
+                self.problems.append("cache.s3.bucket: required when [cache.s3] is used")
+            return None
+        if not _BUCKET.fullmatch(bucket):
+            self.problems.append(f"cache.s3.bucket: {bucket!r} is not an S3 bucket name")
+        defaults = S3Config(bucket)
+        endpoint = self._str("cache.s3.endpoint_url", table, "endpoint_url") or None
+        if endpoint is not None:
+            try:
+                parts = urlsplit(endpoint)
+                valid = parts.scheme in ("http", "https") and bool(parts.hostname) \
+                    and not parts.username and not parts.password and not parts.query
+                parts.port  # noqa: B018 (raises ValueError for a bad port)
+            except ValueError:
+                valid = False
+            if not valid:
+                # Credentials never go in the URL: they come from the AWS chain.
+                self.problems.append("cache.s3.endpoint_url: expected an http(s) URL such as "
+                                     "\"https://s3.example.internal\", without credentials")
+                endpoint = None
+        region = self._str("cache.s3.region", table, "region") or defaults.region
+        prefix = self._str("cache.s3.prefix", table, "prefix")
+        if prefix is None:
+            prefix = defaults.prefix
+        elif prefix and not prefix.endswith("/"):
+            prefix += "/"
+        if prefix and any(part in ("", ".", "..") for part in prefix[:-1].split("/")):
+            self.problems.append(f"cache.s3.prefix: {prefix!r} has an empty, . or .. segment")
+        serve = (self._str("cache.s3.serve", table, "serve") or defaults.serve).lower()
+        if serve not in ("stream", "redirect"):
+            self.problems.append(f"cache.s3.serve: expected stream or redirect, got {serve!r}")
+            serve = defaults.serve
+        return S3Config(bucket=bucket, endpoint_url=endpoint, region=region, prefix=prefix,
+                        serve=serve)
 
     def _auth(self, table: dict[str, Any]) -> AuthConfig:
         self._unknown(table, "auth.", ("tokens", "tokens_file", "signed_url_ttl"))

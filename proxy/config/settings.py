@@ -77,11 +77,26 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class S3Config:
+    """An S3 bucket that holds the cache for every replica (credentials: the standard AWS
+    chain, never the configuration)."""
+
+    bucket: str
+    endpoint_url: str | None = None  # None: AWS's own endpoint for the region
+    region: str = "us-east-1"
+    prefix: str = "tfproxy/"  # every object key starts with it
+    serve: str = "stream"  # or "redirect": archive GETs answer 302 to a presigned URL
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Where verified artifacts and metadata live, and how much room they may take."""
 
     dir: Path = field(default_factory=default_cache_dir)
-    max_size: int | None = None  # bytes of packages and modules; None: no limit
+    # Bytes of packages and modules on local disk; None: no limit. With s3, the bound of the
+    # local copies of hits (the bucket itself is not bounded here).
+    max_size: int | None = None
+    s3: S3Config | None = None  # set: the cache is this bucket, cache.dir holds hot copies
     # How long a fill lease in a shared store lasts unrenewed (renewed every third of it):
     # a replica that dies mid-fill is taken over after at most this.
     lease_seconds: float = 30.0
@@ -206,12 +221,14 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
 
 
-# The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set.
+# The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set (a nested table's
+# dots are underscores: TF_REGISTRY_PROXY_CACHE_S3_BUCKET).
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
                "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
                "request_head_timeout", "keepalive_timeout", "max_connections"),
     "cache": ("dir", "max_size", "lease_seconds"),
+    "cache.s3": ("bucket", "endpoint_url", "region", "prefix", "serve"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",
                  "max_concurrent_fills"),

@@ -79,6 +79,13 @@ class Metrics:
             "renewed in time).", "outcome")
         for outcome in ("acquired", "waited", "taken_over", "lost"):
             self.fill_leases.labels(outcome)
+        self.store_operations = counter(
+            "tfproxy_store_operations", "Requests to the storage backend by backend, operation "
+            "(head, get, put, list, delete, ...) and outcome (ok, absent, conflict, error, "
+            "unreachable).", "backend", "operation", "outcome")
+        self.store_latency = Histogram("tfproxy_store_operation_seconds",
+                                       "Storage backend request latency.",
+                                       ["backend", "operation"], registry=registry)
 
     def render(self) -> bytes:
         """The text exposition format."""

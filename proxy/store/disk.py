@@ -51,6 +51,7 @@ class DiskBlob:
         self._handle = handle
         self._path = path
         self._info = _info(key, identity_of(os.fstat(handle.fileno())))
+        self._copy = False
 
     @property
     def info(self) -> BlobInfo:
@@ -68,8 +69,16 @@ class DiskBlob:
         return self._handle
 
     def current_identity(self) -> FileIdentity:
-        """The file's identity now (blocking: an fstat)."""
+        """The file's identity now (blocking: an fstat); a copy's is its original's."""
+        if self._copy:
+            return self._info.identity
         return identity_of(os.fstat(self._handle.fileno()))
+
+    def copy_of(self, info: BlobInfo) -> DiskBlob:
+        """This open file, described as a local copy of the blob info describes (a blob
+        elsewhere, which never changes in place)."""
+        self._info, self._copy = info, True
+        return self
 
     async def chunks(self, start: int = 0, end: int | None = None) -> AsyncGenerator[bytes, None]:
         """Bytes start..end, read on the quick pool."""
@@ -237,6 +246,9 @@ class DiskBlobStore:
             return f"cache directory {self.files.tmp} is not writable: {exc.strerror}"
         return self.files.disk.problem()
 
+    async def direct_url(self, key: str) -> None:
+        """Files are sent by the proxy."""
+        return None
 
 
 async def open_disk_storage(config: CacheConfig, metrics: Metrics,

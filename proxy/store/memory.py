@@ -217,6 +217,10 @@ class MemoryBlobStore:
             return f"scratch directory {self.scratch} is not writable"
         return self._disk.problem()
 
+    async def direct_url(self, key: str) -> None:
+        """Blobs in memory are sent by the proxy."""
+        return None
+
 
 class MemoryIndex:
     """Index documents in a dict (deep copies in and out, as a real store would give)."""

@@ -156,6 +156,11 @@ class BlobStore(Protocol):
         """Why the store cannot take writes now (blocking), or None."""
         ...
 
+    async def direct_url(self, key: str) -> str | None:
+        """A URL clients may fetch the blob at themselves, when the operator asked for that
+        (cache.s3.serve = "redirect"); None: the proxy sends it."""
+        ...
+
 
 class MetadataIndex(Protocol):
     """Small JSON-able documents by key: verified facts, version lists, leases."""
@@ -177,8 +182,9 @@ class MetadataIndex(Protocol):
         """Remove the document at key, if any."""
         ...
 
-    # Compare-and-set (leases). A version is an opaque token that changes with every write
-    # of the key (set, create, replace): an ETag, a generation, a counter.
+    # Compare-and-set (leases). A version is an opaque token that changes whenever the
+    # document at key does: an ETag (a hash of the body, so writes that must be told apart,
+    # as a lease's renewals, carry a fresh token in the body), a generation, a counter.
 
     async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
         """The document at key and its version, or None."""
