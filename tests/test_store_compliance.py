@@ -11,7 +11,7 @@ import pytest
 
 from proxy.store.protocol import BlobStore
 from tests.support.seaweedfs import S3Server
-from tests.support.stores import BACKENDS, OpenedStore, expect_no_leases_on_s3, open_store
+from tests.support.stores import BACKENDS, OpenedStore, open_store
 
 KEY = "archives/registry.example/acme/thing/1.0.0/terraform-provider-thing_1.0.0_linux_amd64.zip"
 OTHER = "archives/registry.example/acme/thing/1.1.0/terraform-provider-thing_1.1.0_linux_amd64.zip"
@@ -291,15 +291,8 @@ async def test_create_if_absent_has_exactly_one_winner(store: OpenedStore) -> No
 
 # --- compare-and-set (leases) --------------------------------------------------------------
 
-@pytest.fixture
-def versioned(store: OpenedStore, backend: str, request: pytest.FixtureRequest) -> OpenedStore:
-    """store, for the tests of compare-and-set."""
-    expect_no_leases_on_s3(backend, request)
-    return store
-
-
-async def test_every_write_gives_a_document_a_new_version(versioned: OpenedStore) -> None:
-    index = versioned.index
+async def test_every_write_gives_a_document_a_new_version(store: OpenedStore) -> None:
+    index = store.index
     assert await index.get_versioned("lease/fill") is None
     await index.set("lease/fill", {"owner": 1})
     found = await index.get_versioned("lease/fill")
@@ -314,8 +307,8 @@ async def test_every_write_gives_a_document_a_new_version(versioned: OpenedStore
     assert await index.get("lease/fill") == {"owner": 2}
 
 
-async def test_a_stale_version_is_refused(versioned: OpenedStore) -> None:
-    index = versioned.index
+async def test_a_stale_version_is_refused(store: OpenedStore) -> None:
+    index = store.index
     assert await index.create("lease/fill", {"owner": 1})
     found = await index.get_versioned("lease/fill")
     assert found is not None
@@ -333,10 +326,10 @@ async def test_a_stale_version_is_refused(versioned: OpenedStore) -> None:
 
 
 async def test_racing_replaces_on_several_replicas_have_exactly_one_winner(
-        versioned: OpenedStore) -> None:
-    await versioned.index.set("lease/fill", {"owner": "dead"})
-    async with versioned.replica() as second, versioned.replica() as third:
-        indexes = [versioned.index, second.index, third.index]
+        store: OpenedStore) -> None:
+    await store.index.set("lease/fill", {"owner": "dead"})
+    async with store.replica() as second, store.replica() as third:
+        indexes = [store.index, second.index, third.index]
         observed = [await index.get_versioned("lease/fill") for index in indexes]
         assert all(found is not None and found == observed[0] for found in observed)
         assert observed[0] is not None

@@ -21,7 +21,7 @@ import functools
 import hashlib
 import logging
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +36,7 @@ from proxy.store.disk import DiskBlob, DiskBlobStore
 from proxy.store.disk_space import DiskSpace, is_out_of_space
 from proxy.store.file_identity import FileIdentity
 from proxy.store.index import MetadataCache
+from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 from proxy.store.s3_index import S3Index
 from proxy.store.s3_objects import Conflict, ObjectInfo, ObjectStore, StoreUnavailable
@@ -124,9 +125,11 @@ class RemoteBlob:
 class S3BlobStore:
     """The BlobStore over a bucket, with hot copies of what was read in a disk store."""
 
-    def __init__(self, objects: ObjectStore, hot: DiskBlobStore, redirect: bool = False) -> None:
+    def __init__(self, objects: ObjectStore, hot: DiskBlobStore, leases: FillLeases,
+                 redirect: bool = False) -> None:
         self.objects = objects
         self.hot = hot
+        self.leases = leases
         self._redirect = redirect
         self._fetches: SingleFlight[None] = SingleFlight()
 
@@ -290,11 +293,18 @@ class S3BlobStore:
         """Every object under prefix (all pages), in key order."""
         return [_blob_info(found) for found in await self.objects.list(prefix)]
 
-    def fill_lock(self, name: str, what: str,
-                  ready: Ready | None = None) -> contextlib.AbstractAsyncContextManager[bool]:
-        """The hot store's lock: one fill at a time among the processes sharing cache.dir
-        (replicas on other hosts may fill the same artifact at once: last upload wins)."""
-        return self.hot.fill_lock(name, what, ready)
+    @contextlib.asynccontextmanager
+    async def fill_lock(self, name: str, what: str,
+                        ready: Ready | None = None) -> AsyncIterator[bool]:
+        """A lease in the bucket's index (proxy.store.leases): one fill at a time across
+        replicas. Taken under the hot store's flock, so that the processes sharing cache.dir
+        queue there instead of polling the bucket."""
+        async with self.hot.fill_lock(name, what, ready) as local:
+            if not local:  # published while waiting
+                yield False
+                return
+            async with self.leases.lock(name, what, ready) as held:
+                yield held
 
     def reread_usage(self) -> None:
         """The hot copies' usage, as every process sharing cache.dir recorded it."""
@@ -330,7 +340,9 @@ async def open_s3_storage(config: CacheConfig, metrics: Metrics,
         await hot.files.evict()
     mirror = await quick(MetadataCache, hot_dir / "index", disk)
     opened.callback(mirror.close)
-    blobs = S3BlobStore(objects, hot, redirect=s3.serve == "redirect")
+    index = S3Index(objects, mirror)
+    leases = FillLeases(index, LeaseTimings(config.lease_seconds), lease_outcomes(metrics))
+    blobs = S3BlobStore(objects, hot, leases, redirect=s3.serve == "redirect")
     export_usage(blobs, config.max_size, metrics)
     try:
         await objects.probe()
@@ -341,7 +353,7 @@ async def open_s3_storage(config: CacheConfig, metrics: Metrics,
                                "store") from None
     watcher = asyncio.create_task(_watch(objects))
     opened.push_async_callback(_stop, watcher)
-    return Storage(blobs, S3Index(objects, mirror))
+    return Storage(blobs, index)
 
 
 async def _watch(objects: ObjectStore) -> None:

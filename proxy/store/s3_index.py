@@ -1,7 +1,8 @@
 """The S3 backend's index: each document a small JSON object under `<prefix>index/KEY`
 (bytes as base64), created-if-absent with a conditional PutObject (If-None-Match: *; 412 and
 409 both mean it exists). A local copy of every document this process read or wrote answers
-reads while the bucket is unreachable, so hits keep being served; writes still fail then."""
+reads while the bucket is unreachable, so hits keep being served; writes still fail then.
+Compare-and-set (fill leases) uses the objects' ETags: PutObject and DeleteObject If-Match."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from proxy.store.s3_objects import Conflict, ObjectStore, StoreUnavailable
 
 AREA = "index/"
 _BYTES = "$bytes"
-_NO_COMPARE_AND_SET = "compare-and-set on the S3 index is not implemented yet"
 
 
 def encode(value: dict[str, Any]) -> bytes:
@@ -83,23 +83,36 @@ class S3Index:
         await self._objects.delete(AREA + key)
         await self._local.delete(key)
 
-    # Compare-and-set (MetadataIndex.get_versioned, replace, delete_if: the fill leases of
-    # proxy.store.leases) is not implemented on S3 yet: the ETag of GetObject, PutObject and
-    # DeleteObject with If-Match. Nothing calls them on this backend yet (fill_lock is the
-    # hot store's flock).
+    # Compare-and-set (the fill leases of proxy.store.leases): a document's version is its
+    # object's ETag, the conditions PutObject and DeleteObject with If-Match on it. Never
+    # answered from the local copy: a lease read from it could be long gone.
 
     async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
-        """Not implemented on S3 yet."""
-        raise NotImplementedError(_NO_COMPARE_AND_SET)
+        """The document at key and its ETag, or None (an unreadable one is absent)."""
+        found = await self._objects.get_tagged(AREA + key)
+        if found is None:
+            return None
+        value = decode(found[0])
+        return None if value is None else (value, found[1])
 
     async def replace(self, key: str, value: dict[str, Any],
                       expected_version: str) -> str | None:
-        """Not implemented on S3 yet."""
-        raise NotImplementedError(_NO_COMPARE_AND_SET)
+        """Store value at key only while its object has the ETag expected_version (If-Match);
+        its new ETag, or None if it is gone or was written since."""
+        try:
+            return await self._objects.put_bytes(AREA + key, encode(value),
+                                                 if_match=expected_version)
+        except (Conflict, LookupError):
+            return None
 
     async def delete_if(self, key: str, expected_version: str) -> bool:
-        """Not implemented on S3 yet."""
-        raise NotImplementedError(_NO_COMPARE_AND_SET)
+        """Remove the document at key only while its object has the ETag expected_version."""
+        try:
+            await self._objects.delete(AREA + key, expected_version)
+        except (Conflict, LookupError):
+            return False
+        await self._local.delete(key)
+        return True
 
     async def keys(self, prefix: str) -> list[str]:
         """Every key under prefix (all pages), in order."""

@@ -223,9 +223,30 @@ class ObjectStore:
         except LookupError:
             return None
 
-    async def put_bytes(self, key: str, body: bytes, if_absent: bool = False) -> str:
-        """A small object (only if key holds none, if_absent: else Conflict); its ETag."""
+    async def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """A small object's bytes and ETag (one GET: the ETag is that of these bytes), or
+        None."""
+        try:
+            answer = await self._call("get", self._client.get_object, Bucket=self.bucket,
+                                      Key=self.prefix + key)
+        except LookupError:
+            return None
+        stream = answer["Body"]
+        try:
+            body = await stream.read()
+        except (BotoCoreError, OSError, TimeoutError) as exc:
+            raise self._unreachable("get", exc) from exc
+        finally:
+            stream.close()
+        return bytes(body), str(answer["ETag"])
+
+    async def put_bytes(self, key: str, body: bytes, if_absent: bool = False,
+                        if_match: str | None = None) -> str:
+        """A small object (only if key holds none, if_absent; only over the object with
+        ETag if_match: else Conflict); its ETag."""
         options: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        if if_match is not None:
+            options["IfMatch"] = if_match
         checksum = await slow(_sha256_b64, body) if len(body) > _CHUNK else _sha256_b64(body)
         done = await self._call("put", self._client.put_object, Bucket=self.bucket,
                                 Key=self.prefix + key, Body=body, ChecksumSHA256=checksum,

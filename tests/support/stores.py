@@ -26,14 +26,6 @@ from tests.support.seaweedfs import S3Server
 BACKENDS = ["disk", "memory", "s3"]
 
 
-def expect_no_leases_on_s3(backend: str, request: pytest.FixtureRequest) -> None:
-    """The S3 backend has no compare-and-set index and no fill lock across replicas yet: a
-    test of them is expected to fail there, strictly (it reports once they exist)."""
-    if backend == "s3":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="S3: no compare-and-set index, no fill leases yet"))
-
-
 @dataclass
 class OpenedStore:
     """A backend under test: its blob store and index, what its failed writes may have left
