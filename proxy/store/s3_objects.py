@@ -223,11 +223,13 @@ class ObjectStore:
         except LookupError:
             return None
 
-    async def put_bytes(self, key: str, body: bytes, if_absent: bool = False) -> str:
-        """A small object (only if key holds none, if_absent: else Conflict); its ETag."""
+    async def put_bytes(self, key: str, body: bytes, if_absent: bool = False,
+                        operation: str = "put") -> str:
+        """A small object (only if key holds none, if_absent: else Conflict); its ETag.
+        operation: what the request is counted as."""
         options: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
         checksum = await slow(_sha256_b64, body) if len(body) > _CHUNK else _sha256_b64(body)
-        done = await self._call("put", self._client.put_object, Bucket=self.bucket,
+        done = await self._call(operation, self._client.put_object, Bucket=self.bucket,
                                 Key=self.prefix + key, Body=body, ChecksumSHA256=checksum,
                                 **options)
         return str(done["ETag"])
