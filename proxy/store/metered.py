@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.core.metrics import Metrics
-from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex, OpenBlob
 
@@ -46,20 +45,10 @@ class MeteredBlobStore:
         self.inner = inner
         self._meter = _Meter(backend, metrics)
 
-    @property
-    def disk(self) -> DiskSpace:
-        """The inner store's disk."""
-        return self.inner.disk
-
-    @property
-    def used_bytes(self) -> int:
-        """The inner store's."""
-        return self.inner.used_bytes
-
-    @property
-    def file_count(self) -> int:
-        """The inner store's."""
-        return self.inner.file_count
+    # What is not a store operation is the inner store's own.
+    disk = property(lambda self: self.inner.disk, doc="The inner store's disk.")
+    used_bytes = property(lambda self: self.inner.used_bytes, doc="The inner store's.")
+    file_count = property(lambda self: self.inner.file_count, doc="The inner store's.")
 
     def spool_path(self) -> Path:
         """The inner store's."""
