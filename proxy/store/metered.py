@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from proxy.core.metrics import Metrics
 from proxy.store.file_identity import FileIdentity
-from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex, OpenBlob
+from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex, OpenBlob, Ready
 
 T = TypeVar("T")
 
@@ -86,9 +86,10 @@ class MeteredBlobStore:
         """Counted as last_uses."""
         return await self._meter.timed("last_uses", self.inner.last_uses(prefix))
 
-    def fill_lock(self, name: str, what: str) -> AbstractAsyncContextManager[None]:
+    def fill_lock(self, name: str, what: str,
+                  ready: Ready | None = None) -> AbstractAsyncContextManager[bool]:
         """The inner store's."""
-        return self.inner.fill_lock(name, what)
+        return self.inner.fill_lock(name, what, ready)
 
     def reread_usage(self) -> None:
         """The inner store's."""
@@ -129,6 +130,21 @@ class MeteredIndex:
     async def keys(self, prefix: str) -> list[str]:
         """Counted as index_keys."""
         return await self._meter.timed("index_keys", self.inner.keys(prefix))
+
+    async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
+        """Counted as index_get."""
+        return await self._meter.timed("index_get", self.inner.get_versioned(key))
+
+    async def replace(self, key: str, value: dict[str, Any],
+                      expected_version: str) -> str | None:
+        """Counted as index_replace (absent: written since, or gone)."""
+        return await self._meter.timed("index_replace",
+                                       self.inner.replace(key, value, expected_version))
+
+    async def delete_if(self, key: str, expected_version: str) -> bool:
+        """Counted as index_delete."""
+        return await self._meter.timed("index_delete",
+                                       self.inner.delete_if(key, expected_version))
 
 
 async def _done(call: Awaitable[None]) -> bool:
