@@ -30,7 +30,7 @@ from proxy.core.executors import slow
 from proxy.core.metrics import Metrics
 from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_import import CacheChanges, IndexReader, cache_work, existing_index
-from proxy.store.protocol import Storage
+from proxy.store.protocol import BlobInfo, Storage
 from proxy.store.s3 import open_s3_storage
 from proxy.store.s3_objects import Conflict
 from proxy.verification.hashes import sha256_of_file
@@ -220,13 +220,15 @@ class SeamTarget:
                               "imported)") from None
 
     async def _apply(self) -> None:
+        # Each step's undo is noted before the step: a write whose answer was lost may have
+        # taken effect.
         undo: list[Callable[[], Awaitable[object]]] = []
         backups: list[Path] = []
         try:
             for staged, key in self._files:
-                undo.append(await self._publish(staged, key, backups))
+                await self._publish(staged, key, undo, backups)
             for key, value in self._records.items():
-                undo.append(await self._write(key, value))
+                await self._write(key, value, undo)
         except BaseException:
             for step in reversed(undo):
                 try:
@@ -239,23 +241,31 @@ class SeamTarget:
             for backup in backups:
                 backup.unlink(missing_ok=True)
 
-    async def _publish(self, staged: Path, key: str,
-                       backups: list[Path]) -> Callable[[], Awaitable[object]]:
-        """Publish one blob; returns the step that undoes it: the blob this import made
-        deleted (only while it is still ours), or the one it replaced put back."""
+    async def _publish(self, staged: Path, key: str, undo: list[Callable[[], Awaitable[object]]],
+                       backups: list[Path]) -> None:
+        """Publish one blob, noting how to undo it: the blob it made deleted (only while it
+        is still the one this import wrote), or the one it replaced put back."""
         blobs = self._storage.blobs
         backup = await self._backup(key)
         if backup is not None:
             backups.append(backup)
-        info = await blobs.publish(key, staged)
-        if backup is None:
-            return lambda: blobs.delete(key, info.identity)
 
-        async def restore() -> None:
-            spool = blobs.spool_path()
-            await slow(shutil.copyfile, backup, spool)
-            await blobs.publish(key, spool)
-        return restore
+            async def restore() -> None:
+                spool = blobs.spool_path()
+                await slow(shutil.copyfile, backup, spool)
+                await blobs.publish(key, spool)
+            undo.append(restore)
+            await blobs.publish(key, staged)
+            return
+        published: list[BlobInfo] = []
+
+        async def remove() -> None:
+            # Unknown when publishing failed: whatever it left there, if anything.
+            made = published[0] if published else await blobs.stat(key)
+            if made is not None:
+                await blobs.delete(key, made.identity)
+        undo.append(remove)
+        published.append(await blobs.publish(key, staged))
 
     async def _backup(self, key: str) -> Path | None:
         """A local copy of the blob at key (None: there is none), to put back on undo."""
@@ -272,14 +282,14 @@ class SeamTarget:
             blob.close()
         return backup
 
-    async def _write(self, key: str, value: Any) -> Callable[[], Awaitable[object]]:
-        """Write one record; returns the step that undoes it."""
+    async def _write(self, key: str, value: Any,
+                     undo: list[Callable[[], Awaitable[object]]]) -> None:
+        """Write one record, noting how to undo it: deleted, or what it held put back."""
         index = self._storage.index
         before = await index.get(key)
+        undo.append((lambda: index.delete(key)) if before is None
+                    else (lambda: index.set(key, before)))
         await index.set(key, value)
-        if before is None:
-            return lambda: index.delete(key)
-        return lambda: index.set(key, before)
 
 
 def _hash_blob_file(opener: Callable[[], Any], owned: bool) -> str:

@@ -27,6 +27,7 @@ from proxy.config import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform
 
+
 def warm_command(config: Config, args: argparse.Namespace) -> int:
     """`warm`: fetch what the sources name through a running proxy or into the cache."""
     configure_logging(logging.WARNING, COMMAND_FORMAT)
