@@ -283,3 +283,20 @@ async def test_export_and_import_name_a_bucket_that_is_not_there(
     assert "Traceback" not in err and err.count("no bucket 'no-such-bucket'") == 2, err
     assert "nothing was exported" in err and "nothing was imported" in err, err
     assert not (tmp_path / "out.tar").exists()
+
+
+async def test_a_blob_an_import_left_without_its_record_is_not_served(
+        aiohttp_client: Any, write_config: Callable[..., Path], registry: FakeRegistry,
+        s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An import that dies after publishing a package but before its record (records go
+    last): an offline proxy on the bucket neither serves nor lists that package."""
+    use_s3_credentials(s3_server, monkeypatch)
+    bucket = s3_server.new_bucket()
+    zip_bytes = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    client: Any = s3_server.client()
+    client.put_object(Bucket=bucket, Key=f"tfproxy/archives/{NULL}/3.2.1/{ZIP}", Body=zip_bytes)
+    replica = offline_config(tmp_path, tmp_path / "replica", s3_section(s3_server, bucket))
+    answers = await served_offline(aiohttp_client, replica, registry)
+    status, body = answers[f"/mirror/{NULL}/{ZIP}"]
+    assert status != 200 and body != zip_bytes
+    assert answers[f"/mirror/{NULL}/index.json"][0] != 200
