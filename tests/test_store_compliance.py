@@ -11,7 +11,7 @@ import pytest
 
 from proxy.store.protocol import BlobStore
 from tests.support.seaweedfs import S3Server
-from tests.support.stores import BACKENDS, OpenedStore, open_store
+from tests.support.stores import BACKENDS, OpenedStore, expect_no_leases_on_s3, open_store
 
 KEY = "archives/registry.example/acme/thing/1.0.0/terraform-provider-thing_1.0.0_linux_amd64.zip"
 OTHER = "archives/registry.example/acme/thing/1.1.0/terraform-provider-thing_1.1.0_linux_amd64.zip"
@@ -287,3 +287,64 @@ async def test_create_if_absent_has_exactly_one_winner(store: OpenedStore) -> No
     await store.index.delete("lease/fill")  # released: the next one takes it
     assert await store.index.create("lease/fill", {"owner": 100})
     assert await store.index.get("lease/fill") == {"owner": 100}
+
+
+# --- compare-and-set (leases) --------------------------------------------------------------
+
+@pytest.fixture
+def versioned(store: OpenedStore, backend: str, request: pytest.FixtureRequest) -> OpenedStore:
+    """store, for the tests of compare-and-set."""
+    expect_no_leases_on_s3(backend, request)
+    return store
+
+
+async def test_every_write_gives_a_document_a_new_version(versioned: OpenedStore) -> None:
+    index = versioned.index
+    assert await index.get_versioned("lease/fill") is None
+    await index.set("lease/fill", {"owner": 1})
+    found = await index.get_versioned("lease/fill")
+    assert found is not None and found[0] == {"owner": 1}
+    first = found[1]
+    await index.set("lease/fill", {"owner": 1, "write": "another"})
+    second = await index.get_versioned("lease/fill")
+    assert second is not None and second[1] != first
+    replaced = await index.replace("lease/fill", {"owner": 2}, second[1])
+    assert replaced is not None and replaced not in (first, second[1])
+    assert await index.get_versioned("lease/fill") == ({"owner": 2}, replaced)
+    assert await index.get("lease/fill") == {"owner": 2}
+
+
+async def test_a_stale_version_is_refused(versioned: OpenedStore) -> None:
+    index = versioned.index
+    assert await index.create("lease/fill", {"owner": 1})
+    found = await index.get_versioned("lease/fill")
+    assert found is not None
+    stale = found[1]
+    current = await index.replace("lease/fill", {"owner": 2}, stale)
+    assert current is not None
+    assert await index.replace("lease/fill", {"owner": 3}, stale) is None
+    assert not await index.delete_if("lease/fill", stale)  # a former holder's release
+    assert await index.get_versioned("lease/fill") == ({"owner": 2}, current)
+    assert await index.delete_if("lease/fill", current)
+    assert await index.get("lease/fill") is None
+    assert not await index.delete_if("lease/fill", current)
+    assert await index.replace("lease/fill", {"owner": 4}, current) is None  # gone
+    assert await index.get("lease/fill") is None
+
+
+async def test_racing_replaces_on_several_replicas_have_exactly_one_winner(
+        versioned: OpenedStore) -> None:
+    await versioned.index.set("lease/fill", {"owner": "dead"})
+    async with versioned.replica() as second, versioned.replica() as third:
+        indexes = [versioned.index, second.index, third.index]
+        observed = [await index.get_versioned("lease/fill") for index in indexes]
+        assert all(found is not None and found == observed[0] for found in observed)
+        assert observed[0] is not None
+        version = observed[0][1]
+        won = await asyncio.gather(*(
+            indexes[n % 3].replace("lease/fill", {"owner": n}, version) for n in range(12)))
+        winners = [n for n, new in enumerate(won) if new is not None]
+        assert len(winners) == 1
+        for index in indexes:  # every replica sees the winner's document
+            assert await index.get_versioned("lease/fill") == (
+                {"owner": winners[0]}, won[winners[0]])

@@ -58,6 +58,9 @@ class _Parser:
             max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
         cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
                             or default_cache_dir(), max_size=max_size,
+                            lease_seconds=self._number("cache.lease_seconds", cache_table,
+                                                       "lease_seconds",
+                                                       CacheConfig.lease_seconds),
                             s3=self._s3(self._table(cache_table, "s3")))
         if server.state_dir.resolve().is_relative_to(cache.dir.resolve()):
             self.problems.append(f"server.state_dir: {str(server.state_dir)!r} is inside "

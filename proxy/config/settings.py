@@ -97,6 +97,9 @@ class CacheConfig:
     # local copies of hits (the bucket itself is not bounded here).
     max_size: int | None = None
     s3: S3Config | None = None  # set: the cache is this bucket, cache.dir holds hot copies
+    # How long a fill lease in a shared store lasts unrenewed (renewed every third of it):
+    # a replica that dies mid-fill is taken over after at most this.
+    lease_seconds: float = 30.0
 
 
 class Secret:
@@ -224,7 +227,7 @@ ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
                "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
                "request_head_timeout", "keepalive_timeout", "max_connections"),
-    "cache": ("dir", "max_size"),
+    "cache": ("dir", "max_size", "lease_seconds"),
     "cache.s3": ("bucket", "endpoint_url", "region", "prefix", "serve"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",
                  "metadata_timeout", "download_timeout", "max_archive_size",

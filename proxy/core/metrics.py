@@ -73,6 +73,12 @@ class Metrics:
             "tfproxy_connections_cut", "Client connections closed because the client was too "
             "slow (handshake_timeout, head_timeout).", "reason")
         self.fills_in_flight = gauge("tfproxy_fills_in_flight", "Upstream fills under way.")
+        self.fill_leases = counter(
+            "tfproxy_fill_leases", "Fill leases in a shared store, by outcome: acquired, "
+            "waited (for another replica's fill), taken_over (expired unrenewed), lost (not "
+            "renewed in time).", "outcome")
+        for outcome in ("acquired", "waited", "taken_over", "lost"):
+            self.fill_leases.labels(outcome)
         self.store_operations = counter(
             "tfproxy_store_operations", "Requests to the storage backend by backend, operation "
             "(head, get, put, list, delete, ...) and outcome (ok, absent, conflict, error, "

@@ -34,6 +34,7 @@ from proxy.store.file_identity import (
     identity_to_record,
 )
 from proxy.store.freshness import RefreshingDocuments
+from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
@@ -187,11 +188,10 @@ class ModuleRegistry:
 
     @asynccontextmanager
     async def _fill_scope(self, key: Hashable) -> AsyncIterator[None]:
-        """What a module fill holds: its fill lock. Its failure is logged here, once per fill
-        and out of space already told apart: a prefetch may have no client to report it to."""
+        """Where a module fill's failure is logged: once per fill and out of space already
+        told apart (a prefetch may have no client to report it to)."""
         try:
-            async with self._archives.fill_lock(str(key), "module"):
-                yield
+            yield
         except ProxyError as exc:
             log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
                     "%s: fetching its source failed: %s", key, exc.message)
@@ -201,10 +201,14 @@ class ModuleRegistry:
             raise
 
     async def _fill(self, module: ModuleAddress, version: str) -> BlobInfo:
-        # Just published by another fill? (Not a file to check: it is replaced.)
-        published = await self._stored(module, version, check=False)
-        if published is not None:
-            return published
+        # Under the module's fill lock, across processes and replicas. Published by another
+        # fill meanwhile? (Not a file to check: it is replaced.)
+        return await fill_unless_published(
+            self._archives, _fill_key(module, version), "module",
+            lambda: self._stored(module, version, check=False),
+            lambda: self._fetch(module, version))
+
+    async def _fetch(self, module: ModuleAddress, version: str) -> BlobInfo:
         if version not in await self._versions(module, wanted=version):
             raise NotFound(f"module {module} has no version {version}")
         location = await self._client.download_location(module, version)

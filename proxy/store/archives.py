@@ -8,6 +8,7 @@ proxy.store.file_identity)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import logging
@@ -28,6 +29,7 @@ from proxy.core.executors import quick, quick_soon
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.layout import AREAS
+from proxy.store.protocol import Ready
 from proxy.store.usage import (
     HeldLedger,
     Usage,
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 # Uses are recorded on the files' access time, at most this often per file.
 _TOUCH_INTERVAL = 60.0
+# A waiter for a fill lock retries the flock this often; asks whether the artifact is ready
+# first as often, then backing off to this.
+_LOCK_POLL = 0.05
+_MAX_READY_CHECK = 1.0
 # Eviction frees down to this share of the limit, so it does not run on every fill.
 _LOW_WATER = 0.9
 # Fill locks: a fixed set of lock files, chosen by a hash of the artifact, so that they never
@@ -328,23 +334,51 @@ def _held_by_a_live_process(lock_file: Path) -> bool:
 
 class FillLock:
     """An exclusive, cross-process lock on one artifact's fill (flock on a lock file),
-    taken without blocking the event loop."""
+    taken without blocking the event loop. A waiter asks `ready` now and then (backing off
+    to once a second) and stops waiting once it answers True: then it does not hold it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, ready: Ready | None = None) -> None:
         self._path = path
+        self._ready = ready
         self._handle: BinaryIO | None = None
 
-    async def __aenter__(self) -> FillLock:
+    async def __aenter__(self) -> bool:
         handle = open(self._path, "ab")  # noqa: ASYNC230 - a tiny local file
-        await lock_exclusive(handle, 0.05)  # another process fills it: wait our turn
+        if self._ready is None:
+            await lock_exclusive(handle, _LOCK_POLL)  # another process fills it: wait our turn
+        elif not await _lock_unless_ready(handle, self._ready):
+            handle.close()
+            return False
         self._handle = handle
-        return self
+        return True
 
     async def __aexit__(self, *_exc: object) -> None:
         if self._handle is not None:
             fcntl.flock(self._handle, fcntl.LOCK_UN)
             self._handle.close()
             self._handle = None
+
+
+async def _lock_unless_ready(handle: BinaryIO, ready: Ready) -> bool:
+    """Whether the flock was taken; False once ready answered True first."""
+    check_every = _LOCK_POLL
+    next_check = time.monotonic() + check_every
+    try:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            if time.monotonic() >= next_check:
+                if await ready():
+                    return False
+                check_every = min(check_every * 2, _MAX_READY_CHECK)
+                next_check = time.monotonic() + check_every
+            await asyncio.sleep(_LOCK_POLL)
+    except BaseException:
+        handle.close()
+        raise
 
 
 def _record_use_quietly(path: Path) -> None:

@@ -23,7 +23,7 @@ from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
-from proxy.store.protocol import BlobInfo, Storage, check_key, export_usage
+from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,12 @@ class DiskBlobStore:
                         continue  # evicted meanwhile
 
     @asynccontextmanager
-    async def fill_lock(self, name: str, what: str) -> AsyncIterator[None]:
+    async def fill_lock(self, name: str, what: str,
+                        ready: Ready | None = None) -> AsyncIterator[bool]:
         """One of the striped flock files: shared by every process using the directory."""
         with self.files.disk.reports(what):
-            async with FillLock(self.files.lock_path(name)):
-                yield
+            async with FillLock(self.files.lock_path(name), ready) as held:
+                yield held
 
     def reread_usage(self) -> None:
         """Read the usage record every process updates."""

@@ -4,7 +4,6 @@ event loop (every change is made between awaits); nothing is shared between proc
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import io
@@ -26,7 +25,8 @@ from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
-from proxy.store.protocol import BlobInfo, Storage, check_key, export_usage
+from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
+from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 
 # Eviction frees down to this share of the limit, as the disk backend does.
 _LOW_WATER = 0.9
@@ -85,13 +85,15 @@ class MemoryBlobStore:
 
     def __init__(self, max_size: int | None = None, scratch: Path | None = None,
                  disk: DiskSpace | None = None,
-                 on_evict: Callable[[int, int], None] | None = None) -> None:
+                 on_evict: Callable[[int, int], None] | None = None,
+                 leases: FillLeases | None = None) -> None:
         self.scratch = Path(tempfile.mkdtemp(prefix="memory-store-", dir=scratch))
         self._disk = disk or DiskSpace(self.scratch)
         self.max_size = max_size
         self._blobs: OrderedDict[str, _Blob] = OrderedDict()  # least recently used first
         self._reading: Counter[str] = Counter()
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        # Replicas in one process: blob stores that share one index and its leases.
+        self.leases = leases or FillLeases(MemoryIndex())
         self._generation = itertools.count(1)
         self._on_evict = on_evict
 
@@ -198,20 +200,13 @@ class MemoryBlobStore:
         return [self._blobs[key].info for key in sorted(self._blobs) if key.startswith(prefix)]
 
     @asynccontextmanager
-    async def fill_lock(self, name: str, what: str) -> AsyncIterator[None]:
-        """One holder per name at a time (within this process: all there is)."""
-        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
-        self._locks[name] = (lock, users + 1)
-        try:
-            with self._disk.reports(what):
-                async with lock:
-                    yield
-        finally:
-            lock, users = self._locks[name]
-            if users == 1:
-                del self._locks[name]
-            else:
-                self._locks[name] = (lock, users - 1)
+    async def fill_lock(self, name: str, what: str,
+                        ready: Ready | None = None) -> AsyncIterator[bool]:
+        """A lease in the index (proxy.store.leases): what an object store does, so that the
+        compliance suite holds the lease logic to the same rules as the rest."""
+        with self._disk.reports(what):
+            async with self.leases.lock(name, what, ready) as held:
+                yield held
 
     def reread_usage(self) -> None:
         """Nothing else records usage."""
@@ -231,27 +226,54 @@ class MemoryIndex:
     """Index documents in a dict (deep copies in and out, as a real store would give)."""
 
     def __init__(self) -> None:
-        self._documents: dict[str, dict[str, Any]] = {}
+        self._documents: dict[str, tuple[dict[str, Any], str]] = {}
+        self._writes = itertools.count(1)  # versions: no two writes share one
 
     async def get(self, key: str) -> dict[str, Any] | None:
         """The document at key, or None."""
-        value = self._documents.get(key)
-        return None if value is None else copy.deepcopy(value)
+        found = await self.get_versioned(key)
+        return None if found is None else found[0]
 
     async def set(self, key: str, value: dict[str, Any]) -> None:
         """Store (replace) the document at key."""
-        self._documents[key] = copy.deepcopy(value)
+        self._store(key, value)
 
     async def create(self, key: str, value: dict[str, Any]) -> bool:
         """Store the document only if key holds none."""
         if key in self._documents:
             return False
-        self._documents[key] = copy.deepcopy(value)
+        self._store(key, value)
         return True
 
     async def delete(self, key: str) -> None:
         """Remove the document at key, if any."""
         self._documents.pop(key, None)
+
+    async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
+        """The document at key and its version, or None."""
+        found = self._documents.get(key)
+        return None if found is None else (copy.deepcopy(found[0]), found[1])
+
+    async def replace(self, key: str, value: dict[str, Any],
+                      expected_version: str) -> str | None:
+        """Store value at key only if the document there still has expected_version."""
+        found = self._documents.get(key)
+        if found is None or found[1] != expected_version:
+            return None
+        return self._store(key, value)
+
+    async def delete_if(self, key: str, expected_version: str) -> bool:
+        """Remove the document at key only if it still has expected_version."""
+        found = self._documents.get(key)
+        if found is None or found[1] != expected_version:
+            return False
+        del self._documents[key]
+        return True
+
+    def _store(self, key: str, value: dict[str, Any]) -> str:
+        version = str(next(self._writes))
+        self._documents[key] = (copy.deepcopy(value), version)
+        return version
 
     async def keys(self, prefix: str) -> list[str]:
         """Every key under prefix, in order."""
@@ -266,8 +288,11 @@ async def open_memory_storage(config: CacheConfig, metrics: Metrics,
     """An empty in-memory store and index within config.max_size (spools under
     config.dir), closed by `opened`."""
     await quick(config.dir.mkdir, parents=True, exist_ok=True)
+    index = MemoryIndex()
     blobs = MemoryBlobStore(config.max_size, scratch=config.dir,
-                            on_evict=lambda count, _size: metrics.evictions.inc(count))
+                            on_evict=lambda count, _size: metrics.evictions.inc(count),
+                            leases=FillLeases(index, LeaseTimings(config.lease_seconds),
+                                              lease_outcomes(metrics)))
     opened.callback(blobs.close)
     export_usage(blobs, config.max_size, metrics)
-    return Storage(blobs, MemoryIndex())
+    return Storage(blobs, index)

@@ -22,6 +22,9 @@ from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 
+# Asked while waiting for a fill lock: whether the artifact was published meanwhile.
+Ready = Callable[[], Awaitable[bool]]
+
 # A key segment: no empty, `.` or `..` segment, no backslash, no NUL, no control character.
 _UNSAFE_SEGMENT = re.compile(r"\.{0,2}|.*[\\\x00-\x1f].*", re.DOTALL)
 
@@ -133,11 +136,15 @@ class BlobStore(Protocol):
         """Every blob whose key starts with prefix, in key order."""
         ...
 
-    def fill_lock(self, name: str, what: str) -> AbstractAsyncContextManager[None]:
+    def fill_lock(self, name: str, what: str,
+                  ready: Ready | None = None) -> AbstractAsyncContextManager[bool]:
         """An exclusive lock on one fill (by name), shared by every process and replica that
         uses the store: one fill of an artifact at a time. Running out of local room while
         it is held (the lock, a spool, the published blob) raises InsufficientStorage for
-        `what` (package, module)."""
+        `what` (package, module). It yields whether it is held: a caller waiting for another
+        holder asks `ready` now and then, and once it answers True (the artifact was
+        published) the lock is entered without being held, to serve what was published.
+        Failing to coordinate (a store that does not answer) raises Unavailable (503)."""
         ...
 
     def reread_usage(self) -> None:
@@ -173,6 +180,26 @@ class MetadataIndex(Protocol):
 
     async def delete(self, key: str) -> None:
         """Remove the document at key, if any."""
+        ...
+
+    # Compare-and-set (leases). A version is an opaque token that changes whenever the
+    # document at key does: an ETag (a hash of the body, so writes that must be told apart,
+    # as a lease's renewals, carry a fresh token in the body), a generation, a counter.
+
+    async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
+        """The document at key and its version, or None."""
+        ...
+
+    async def replace(self, key: str, value: dict[str, Any],
+                      expected_version: str) -> str | None:
+        """Store value at key only if the document there still has expected_version,
+        atomically (S3: If-Match); returns the new version, or None if the key is gone or was
+        written since (S3: 412 and 409 both mean that)."""
+        ...
+
+    async def delete_if(self, key: str, expected_version: str) -> bool:
+        """Remove the document at key only if it still has expected_version, atomically;
+        returns whether this call removed it."""
         ...
 
     async def keys(self, prefix: str) -> list[str]:

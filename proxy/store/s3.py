@@ -36,7 +36,7 @@ from proxy.store.disk import DiskBlob, DiskBlobStore
 from proxy.store.disk_space import DiskSpace, is_out_of_space
 from proxy.store.file_identity import FileIdentity
 from proxy.store.index import MetadataCache
-from proxy.store.protocol import BlobInfo, Storage, check_key, export_usage
+from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 from proxy.store.s3_index import S3Index
 from proxy.store.s3_objects import Conflict, ObjectInfo, ObjectStore, StoreUnavailable
 
@@ -290,10 +290,11 @@ class S3BlobStore:
         """Every object under prefix (all pages), in key order."""
         return [_blob_info(found) for found in await self.objects.list(prefix)]
 
-    def fill_lock(self, name: str, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+    def fill_lock(self, name: str, what: str,
+                  ready: Ready | None = None) -> contextlib.AbstractAsyncContextManager[bool]:
         """The hot store's lock: one fill at a time among the processes sharing cache.dir
         (replicas on other hosts may fill the same artifact at once: last upload wins)."""
-        return self.hot.fill_lock(name, what)
+        return self.hot.fill_lock(name, what, ready)
 
     def reread_usage(self) -> None:
         """The hot copies' usage, as every process sharing cache.dir recorded it."""

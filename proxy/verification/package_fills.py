@@ -18,6 +18,7 @@ from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import Offer, SingleFlight
 from proxy.core.spool import GrowingFile
 from proxy.store import layout
+from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import new_spool, store_package
 from proxy.verification.packages import VerifiedPackages
@@ -36,8 +37,7 @@ class PackageFills:
         self._archives = archives
         self._max_size = config.max_archive_size
         self._metrics = metrics
-        self._flights: SingleFlight[BlobInfo | GrowingFile[BlobInfo]] = SingleFlight(
-            exclusive=lambda key: archives.fill_lock(str(key), "package"))
+        self._flights: SingleFlight[BlobInfo | GrowingFile[BlobInfo]] = SingleFlight()
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
 
     async def close(self) -> None:
@@ -57,10 +57,16 @@ class PackageFills:
     async def _fill(self, provider: ProviderAddress, version: str, platform: Platform,
                     offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
                     ) -> BlobInfo | GrowingFile[BlobInfo]:
-        # Just published by another fill? (Not a file to check: it is replaced.)
-        published = await self._stored.stored(provider, version, platform, check=False)
-        if published is not None:
-            return published
+        # Under the package's fill lock, across processes and replicas. Published by another
+        # fill meanwhile? (Not a file to check: it is replaced.)
+        return await fill_unless_published(
+            self._archives, fill_key(provider, version, platform), "package",
+            lambda: self._stored.stored(provider, version, platform, check=False),
+            lambda: self._download(provider, version, platform, offer))
+
+    async def _download(self, provider: ProviderAddress, version: str, platform: Platform,
+                        offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
+                        ) -> BlobInfo | GrowingFile[BlobInfo]:
         entry = await self._packages.version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")

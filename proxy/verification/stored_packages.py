@@ -43,7 +43,7 @@ class StoredPackages:
         await self._checked.close()
 
     def fill_lock(self, provider: ProviderAddress, version: str,
-                  platform: Platform) -> AbstractAsyncContextManager[None]:
+                  platform: Platform) -> AbstractAsyncContextManager[bool]:
         """One fill (or drop) of the package at a time, across the processes sharing the
         store."""
         return self._archives.fill_lock(fill_key(provider, version, platform), "package")
