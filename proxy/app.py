@@ -10,6 +10,7 @@ from aiohttp import web
 
 from proxy.config import Config
 from proxy.config.filters import Filters
+from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
@@ -47,13 +48,19 @@ from proxy.web.url_signing import UrlSigner
 log = logging.getLogger(__name__)
 
 
+def configured_storage(cache: CacheConfig) -> StorageOpener:
+    """How the configured storage opens: the bucket of cache.s3 if one is set, else the
+    cache directory."""
+    return open_disk_storage if cache.s3 is None else open_s3_storage
+
+
 def create_app(config: Config,
                open_storage: StorageOpener | None = None) -> web.Application:
     """Build the application; long-lived resources open and close with it (cleanup_ctx).
     Storage: the bucket of cache.s3 if one is set, else the cache directory, unless
     open_storage opens another backend."""
     if open_storage is None:
-        open_storage = open_disk_storage if config.cache.s3 is None else open_s3_storage
+        open_storage = configured_storage(config.cache)
     metrics = Metrics()
     app = web.Application(middlewares=[error_middleware(metrics), auth_middleware(config.auth)])
     app[CONFIG_KEY] = config

@@ -13,7 +13,6 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
-from proxy.cli import main
 from proxy.config import Config, ConfigError, load_config
 from proxy.config.settings import S3Config
 from tests.support.fake_registry import FakeRegistry
@@ -142,15 +141,3 @@ def test_bad_cache_s3_settings_are_all_reported(tmp_path: Path) -> None:
     path.write_text('[cache.s3]\nregion = "eu-west-1"\n')
     with pytest.raises(ConfigError, match=r"cache.s3.bucket: required"):
         load_config(path, environ={})
-
-
-@pytest.mark.parametrize("command", [["export", "--output", "bundle.tar", "--unsigned"],
-                                     ["import", "--allow-unsigned-bundle", "bundle.tar"]])
-def test_export_and_import_refuse_an_s3_cache_with_a_clear_message(
-        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "proxy.toml"
-    path.write_text(f'[server]\nstate_dir = "{tmp_path / "state"}"\n'
-                    f'[cache]\ndir = "{tmp_path / "cache"}"\n[cache.s3]\nbucket = "tf-cache"\n')
-    (tmp_path / "bundle.tar").write_bytes(b"")
-    assert main([command[0], "--config", str(path), *command[1:]]) != 0
-    assert "the cache is the bucket tf-cache" in capsys.readouterr().err

@@ -1,54 +1,73 @@
-"""Air-gap export: verified packages and module archives from the cache, with their
+"""Air-gap export: verified packages and module archives from the store, with their
 SHA256SUMS, signatures and signing keys, written into one tar with a manifest of every
-member's size and sha256, signed with the operator's key."""
+member's size and sha256, signed with the operator's key. It reads through the storage
+seam: a cache directory and an S3 bucket export alike, every file read again and checked
+before it is signed for."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
 import os
+import sqlite3
 import tarfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from botocore.exceptions import BotoCoreError, ClientError
 
 from proxy.airgap.constraints import newest_matching
 from proxy.airgap.manifest import FORMAT, MANIFEST, SIGNATURE, BundleError, Counts, file_entry
 from proxy.airgap.signing import ManifestSigner
 from proxy.airgap.sources import Requirement
 from proxy.config.settings import Config
+from proxy.core.errors import ProxyError
+from proxy.core.executors import slow
+from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
-from proxy.store.disk import DiskBlobStore
-from proxy.store.disk_import import IndexReader, open_index
+from proxy.store.disk import DiskBlobStore, index_dir
+from proxy.store.index import MetadataCache
+from proxy.store.protocol import BlobStore, OpenBlob, Storage
+from proxy.store.s3 import open_s3_storage
+from proxy.store.s3_objects import Conflict
 from proxy.upstream.documents import without_upstream_urls
-from proxy.verification.hashes import sha256_of_path
+
+_CHUNK = 1 << 20
+_Package = tuple[ProviderAddress, str, Platform, dict[str, Any], str]
 
 
-def _stored_packages(index: IndexReader, store: DiskBlobStore
-                     ) -> Iterator[tuple[ProviderAddress, str, Platform, dict[str, Any], Path]]:
-    for key in index.keys(layout.PACKAGE_RECORDS):
+async def _stored_packages(storage: Storage) -> list[_Package]:
+    """Every provider package whose verified record matches a stored zip."""
+    blobs = {info.key: info for info in await storage.blobs.list(f"{layout.PROVIDER_AREA}/")}
+    found = []
+    for key in await storage.index.keys(layout.PACKAGE_RECORDS):
         named = layout.parse_package_record(key)
         if named is None:
             continue
         provider, version, platform = named
-        record = index.get(key)
-        path = store.path_of(layout.provider_archive(provider, version, platform))
+        record = await storage.index.get(key)
+        info = blobs.get(layout.provider_archive(provider, version, platform))
         if isinstance(record, dict) and record.get("size") and record.get("sums_id") \
-                and path.is_file() and path.stat().st_size == record["size"]:
-            yield provider, version, platform, record, path
+                and info is not None and info.size == record["size"]:
+            found.append((provider, version, platform, record, info.key))
+    return found
 
 
-def _stored_modules(store: DiskBlobStore) -> Iterator[tuple[ModuleAddress, str, Path]]:
-    for info in store.listed(layout.module_archive_prefix()):
+async def _stored_modules(storage: Storage) -> list[tuple[ModuleAddress, str, str]]:
+    found = []
+    for info in await storage.blobs.list(layout.module_archive_prefix()):
         named = layout.parse_module_archive(info.key)
         if named is not None:
-            yield *named, store.path_of(info.key)
+            found.append((*named, info.key))
+    return found
 
 
 def _selected(requirements: list[Requirement] | None, address: object, version: str,
@@ -68,50 +87,83 @@ def export_bundle(config: Config, output: Path,
                   requirements: list[Requirement] | None = None,
                   signer: ManifestSigner | None = None) -> Counts:
     """Write the cache (or what requirements select from it) as a tar bundle, its manifest
-    signed by signer (None: unsigned)."""
-    store = DiskBlobStore.at(config.cache.dir)
-    index = open_index(config.cache.dir)
+    signed by signer (None: unsigned). The cache is the bucket of cache.s3 if set, else the
+    cache directory."""
+    return asyncio.run(_export(config, output, requirements, signer))
+
+
+async def _export(config: Config, output: Path, requirements: list[Requirement] | None,
+                  signer: ManifestSigner | None) -> Counts:
+    async with AsyncExitStack() as opened:
+        try:
+            storage = await _open_storage(config, opened)
+            return await _export_from(storage, output, requirements, signer)
+        except (ProxyError, Conflict, BotoCoreError, ClientError, sqlite3.Error) as exc:
+            reason = exc.message if isinstance(exc, ProxyError) else repr(exc)[:300]
+            raise BundleError(f"cannot read the cache: {reason}; nothing was exported") \
+                from None
+
+
+async def _open_storage(config: Config, opened: AsyncExitStack) -> Storage:
+    """The store export reads: the bucket of cache.s3, or the cache directory (opened
+    without the sweeping and measuring a starting proxy does)."""
+    if config.cache.s3 is not None:
+        return await open_s3_storage(config.cache, Metrics(), opened)
+    blobs = DiskBlobStore.at(config.cache.dir)
+    opened.callback(blobs.close)
+    index = MetadataCache(index_dir(config.cache.dir))
+    opened.callback(index.close)
+    return Storage(blobs, index)
+
+
+def _where(blobs: BlobStore, key: str) -> str:
+    """How a message names a stored blob: its path in a cache directory, else its key."""
+    return str(blobs.path_of(key)) if isinstance(blobs, DiskBlobStore) else f"{key} (in the bucket)"
+
+
+async def _export_from(storage: Storage, output: Path, requirements: list[Requirement] | None,
+                       signer: ManifestSigner | None) -> Counts:
+    index = storage.index
+    packages = await _stored_packages(storage)
+    modules = await _stored_modules(storage)
+    held: dict[str, set[str]] = {}
+    for provider, version, _p, _r, _key in packages:
+        held.setdefault(str(provider), set()).add(version)
+    for module, version, _key in modules:
+        held.setdefault(str(module), set()).add(version)
+    manifest: dict[str, Any] = {"format": FORMAT, "created": int(time.time()),
+                                "providers": [], "modules": [], "versions": {}, "files": {}}
+    temp = output.with_name(output.name + ".part")
     try:
-        packages = list(_stored_packages(index, store))
-        modules = list(_stored_modules(store))
-        held: dict[str, set[str]] = {}
-        for provider, version, _p, _r, _path in packages:
-            held.setdefault(str(provider), set()).add(version)
-        for module, version, _path in modules:
-            held.setdefault(str(module), set()).add(version)
-        manifest: dict[str, Any] = {"format": FORMAT, "created": int(time.time()),
-                                    "providers": [], "modules": [], "versions": {},
-                                    "files": {}}
-        temp = output.with_name(output.name + ".part")
         with _removed_on_failure(temp), tarfile.open(temp, "w") as tar:
             def add_data(member: str, data: bytes) -> None:
                 info = tarfile.TarInfo(member)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
 
-            def add(member: str, path: Path | None = None, data: bytes | None = None,
-                    stored_with: str | None = None, what: str = "") -> None:
-                if path is not None:
-                    digest = sha256_of_path(path)
-                    # Never sign a file damaged or altered on disk since it was stored.
-                    if stored_with is not None and digest != stored_with.lower():
-                        raise BundleError(
-                            f"{what}: {path} does not match the sha256 it was stored with "
-                            "(damaged or altered on disk); nothing was exported. Delete "
-                            "that file (the proxy fetches it again when next asked for it) "
-                            "and export again")
-                    manifest["files"][member] = file_entry(path.stat().st_size, digest)
-                    tar.add(str(path), arcname=member, recursive=False)
-                else:
-                    assert data is not None
-                    manifest["files"][member] = file_entry(
-                        len(data), hashlib.sha256(data).hexdigest())
-                    add_data(member, data)
+            def add_listed(member: str, data: bytes) -> None:
+                manifest["files"][member] = file_entry(len(data),
+                                                       hashlib.sha256(data).hexdigest())
+                add_data(member, data)
 
-            for provider, version, platform, record, path in packages:
+            async def add_blob(member: str, key: str, stored_with: str | None,
+                               what: str, module: tuple[ModuleAddress, str] | None = None
+                               ) -> bool:
+                blob = await storage.blobs.open(key)
+                if blob is None:
+                    return False  # evicted since it was listed
+                try:
+                    entry = await slow(_add_checked, tar, member, blob, stored_with, what,
+                                       _where(storage.blobs, key), module)
+                finally:
+                    blob.close()
+                manifest["files"][member] = entry
+                return True
+
+            for provider, version, platform, record, key in packages:
                 if not _selected(requirements, provider, version, held):
                     continue
-                sums = index.get(layout.sums_record(provider, version, record["sums_id"]))
+                sums = await index.get(layout.sums_record(provider, version, record["sums_id"]))
                 if not isinstance(sums, dict):
                     continue
                 base = f"providers/{provider}/{version}"
@@ -121,30 +173,31 @@ def export_bundle(config: Config, output: Path,
                          "hostname": provider.hostname,
                          "namespace": provider.namespace, "type": provider.type,
                          "version": version, "platform": platform.key,
-                         "zip": f"{base}/{path.name}",
+                         "zip": f"{base}/{key.rpartition('/')[2]}",
                          "sums": f"{base}/sums/{record['sums_id']}/SHA256SUMS",
                          "signature": f"{base}/sums/{record['sums_id']}/SHA256SUMS.sig",
                          "document": without_upstream_urls(document)
                          if isinstance(document, dict) else None}
-                add(entry["zip"], path=path, stored_with=record["shasum"],
-                    what=f"{provider} {version} {platform.key}")
+                if not await add_blob(entry["zip"], key, record["shasum"],
+                                      f"{provider} {version} {platform.key}"):
+                    continue
                 if entry["sums"] not in manifest["files"]:
-                    add(entry["sums"], data=bytes(sums["sums"]))
-                    add(entry["signature"], data=bytes(sums["signature"]))
+                    add_listed(entry["sums"], bytes(sums["sums"]))
+                    add_listed(entry["signature"], bytes(sums["signature"]))
                 manifest["providers"].append(entry)
-                versions = index.get(layout.version_list_record(provider))
+                versions = await index.get(layout.version_list_record(provider))
                 if isinstance(versions, dict):
                     manifest["versions"][str(provider)] = [
                         v for v in versions["value"] if v["version"] in held[str(provider)]]
-            for module, version, path in modules:
+            for module, version, key in modules:
                 if not _selected(requirements, module, version, held):
                     continue
-                member = f"modules/{module}/{path.name}"
-                recorded = recorded_sha256(index.get(layout.module_archive_record(module,
-                                                                                  version)))
-                if recorded is None:  # stored before sha256s were recorded
-                    _require_intact_module(module, version, path)
-                add(member, path=path, stored_with=recorded, what=f"module {module} {version}")
+                member = f"modules/{module}/{key.rpartition('/')[2]}"
+                recorded = recorded_sha256(await index.get(
+                    layout.module_archive_record(module, version)))
+                if not await add_blob(member, key, recorded, f"module {module} {version}",
+                                      (module, version)):
+                    continue
                 manifest["modules"].append({
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
@@ -155,19 +208,49 @@ def export_bundle(config: Config, output: Path,
             if signer is not None:
                 add_data(SIGNATURE, signer.sign(manifest_bytes))
         os.replace(temp, output)
-        exported = {f"{e['hostname']}/{e['namespace']}/{e['type']}"
-                    for e in manifest["providers"]} | {
-            f"{e['hostname']}/{e['namespace']}/{e['name']}/{e['system']}"
-            for e in manifest["modules"]}
-        unmatched = tuple(f"{r.address} {r.constraint}".strip() for r in requirements or []
-                          if str(r.address) not in exported)
-        return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched,
-                      signer.fingerprint if signer is not None else "")
     except OSError as exc:
         raise BundleError(f"cannot write {output}: {exc}") from None
+    exported = {f"{e['hostname']}/{e['namespace']}/{e['type']}"
+                for e in manifest["providers"]} | {
+        f"{e['hostname']}/{e['namespace']}/{e['name']}/{e['system']}"
+        for e in manifest["modules"]}
+    unmatched = tuple(f"{r.address} {r.constraint}".strip() for r in requirements or []
+                      if str(r.address) not in exported)
+    return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched,
+                  signer.fingerprint if signer is not None else "")
+
+
+def _add_checked(tar: tarfile.TarFile, member: str, blob: OpenBlob, stored_with: str | None,
+                 what: str, where: str, module: tuple[ModuleAddress, str] | None
+                 ) -> dict[str, Any]:
+    """Add the blob to the tar as member once its bytes are read again and found to be the
+    ones it was stored with (blocking); returns its manifest entry. A module archive with no
+    recorded sha256 must at least read as an intact .tar.gz."""
+    handle = blob.file()
+    try:
+        handle.seek(0)
+        digest, size = hashlib.sha256(), 0
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        sha256 = digest.hexdigest()
+        # Never sign a file damaged or altered since it was stored.
+        if stored_with is not None and sha256 != stored_with.lower():
+            raise BundleError(
+                f"{what}: {where} does not match the sha256 it was stored with (damaged or "
+                "altered on disk); nothing was exported. Delete that file (the proxy fetches "
+                "it again when next asked for it) and export again")
+        if stored_with is None and module is not None:  # stored before sha256s were recorded
+            handle.seek(0)
+            _require_intact_module(*module, handle, where)
+        handle.seek(0)
+        info = tarfile.TarInfo(member)
+        info.size = size
+        tar.addfile(info, handle)
+        return file_entry(size, sha256)
     finally:
-        index.close()
-        store.close()
+        if blob.local_path is None:  # a remote blob's temp file; a local one closes with it
+            handle.close()
 
 
 @contextmanager
@@ -179,13 +262,13 @@ def _removed_on_failure(path: Path) -> Iterator[None]:
         raise
 
 
-def _require_intact_module(module: ModuleAddress, version: str, path: Path) -> None:
+def _require_intact_module(module: ModuleAddress, version: str, handle: BinaryIO,
+                           where: str) -> None:
     """A module archive no recorded sha256 vouches for must at least read as an intact
     .tar.gz (gzip's checksum covers every byte)."""
-    with open(path, "rb") as handle:
-        try:
-            read_packed(handle)
-        except ValueError as exc:
-            raise BundleError(f"module {module} {version}: {path} is damaged ({exc}); "
-                              "nothing was exported. Delete that file (the proxy fetches it "
-                              "again when next asked for it) and export again") from None
+    try:
+        read_packed(handle)
+    except ValueError as exc:
+        raise BundleError(f"module {module} {version}: {where} is damaged ({exc}); "
+                          "nothing was exported. Delete that file (the proxy fetches it "
+                          "again when next asked for it) and export again") from None

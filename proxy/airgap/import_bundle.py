@@ -15,6 +15,7 @@ import pysequoia
 
 from proxy.airgap import publish
 from proxy.airgap.entries import ModuleEntry, ProviderEntry, parse_contents
+from proxy.airgap.import_target import ImportTarget, import_target, plan_list
 from proxy.airgap.manifest import (
     MANIFEST,
     BundleError,
@@ -32,8 +33,6 @@ from proxy.config.settings import Config
 from proxy.core.errors import IntegrityError
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
-from proxy.store.disk import DiskBlobStore
-from proxy.store.disk_import import CacheChanges, IndexReader, cache_work, existing_index
 from proxy.upstream.documents import parse_sha256sums
 from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
@@ -104,57 +103,50 @@ def _import_from(config: Config, tar: tarfile.TarFile,
     contents = parse_contents(manifest, listed)
     publish.check_room(config.cache.dir, sum(size for size, _sha in listed.values()),
                        "the bundle's members")
-    with cache_work(config.cache.dir) as store:
-        staging = store.work_dir()
-        staged = stage(tar, members, listed, staging)
+    with import_target(config) as target:
+        staged = stage(tar, members, listed, target.work_dir())
         packages = [(entry, _verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
-        changes = CacheChanges(store)
-        with existing_index(config.cache.dir) as index:
-            old_packages = _plan_packages(changes, index, store, staged, packages)
-            old_modules = _plan_modules(changes, index, store, staged, listed,
-                                        contents.modules)
-            for version_list in contents.versions:
-                publish.plan_list(changes, index, layout.version_list_record(version_list.provider),
-                                  list(version_list.entries), lambda v: v["version"])
-        publish.apply_changes(changes)
-        publish.measure(store, changes)
+        old_packages = _plan_packages(target, staged, packages)
+        old_modules = _plan_modules(target, staged, listed, contents.modules)
+        for version_list in contents.versions:
+            plan_list(target, layout.version_list_record(version_list.provider),
+                      list(version_list.entries), lambda v: v["version"])
+        target.apply()
     return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
                   signed_by=signed_by, present=old_packages + old_modules)
 
 
-def _plan_packages(changes: CacheChanges, index: IndexReader | None,
-                   store: DiskBlobStore, staged: dict[str, Path],
+def _plan_packages(target: ImportTarget, staged: dict[str, Path],
                    packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
     """Plan the packages' files and records; returns how many the cache already holds. What
     the cache holds stays: a different package under the same name refuses the bundle."""
     present = 0
     for entry, package in packages:
-        existing = index.get(entry.record_key) if index is not None else None
+        existing = target.record(entry.record_key)
         if isinstance(existing, dict) and existing.get("shasum") != package.shasum:
             raise BundleError(f"{entry.zip}: the cache holds a different package under "
                               "this name")
         sums = staged[entry.sums].read_bytes()
-        held_sums = index.get(entry.sums_key) if index is not None else None
+        held_sums = target.record(entry.sums_key)
         if isinstance(held_sums, dict):
             if bytes(held_sums.get("sums", b"")) != sums:
                 raise BundleError(f"{entry.sums}: the cache holds a different SHA256SUMS "
                                   "under this name")
         else:
-            changes.set_record(entry.sums_key, {
+            target.set_record(entry.sums_key, {
                 "sums": sums, "signature": staged[entry.signature].read_bytes(),
                 "signed_by": "", "url": ""})
         if isinstance(existing, dict) \
-                and publish.regular_sha256(store.path_of(entry.archive_key)) == package.shasum:
+                and target.blob_sha256(entry.archive_key) == package.shasum:
             present += 1
             continue
-        changes.put_file(staged[entry.zip], entry.archive_key)
-        changes.set_record(entry.record_key, asdict(package))
+        target.put_file(staged[entry.zip], entry.archive_key)
+        target.set_record(entry.record_key, asdict(package))
     return present
 
 
-def _plan_modules(changes: CacheChanges, index: IndexReader | None,
-                  store: DiskBlobStore, staged: dict[str, Path],
+def _plan_modules(target: ImportTarget, staged: dict[str, Path],
                   listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> int:
     """Plan the module archives, the sha256 each is served and exported against, and their
     version lists; returns how many the cache already holds. A different archive under the
@@ -162,20 +154,20 @@ def _plan_modules(changes: CacheChanges, index: IndexReader | None,
     present = 0
     for entry in modules:
         size, sha256 = listed[entry.archive]
-        held = publish.regular_sha256(store.path_of(entry.archive_key))
+        held = target.blob_sha256(entry.archive_key)
         if held == sha256:
             present += 1
         elif held is not None:
             raise BundleError(f"{entry.archive}: the cache holds a different module "
                               "archive under this name")
         else:
-            changes.put_file(staged[entry.archive], entry.archive_key)
+            target.put_file(staged[entry.archive], entry.archive_key)
         record_key = layout.module_archive_record(entry.module, entry.version)
-        if recorded_sha256(index.get(record_key) if index is not None else None) != sha256:
+        if recorded_sha256(target.record(record_key)) != sha256:
             # No identity yet: the first hit reads the archive once against this sha256.
-            changes.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
-        publish.plan_list(changes, index, layout.module_version_list_record(entry.module),
-                          [entry.version], str)
+            target.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
+        plan_list(target, layout.module_version_list_record(entry.module), [entry.version],
+                  str)
     return present
 
 

@@ -15,19 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from proxy.airgap.import_target import import_target, plan_list
 from proxy.airgap.manifest import BundleError
-from proxy.airgap.publish import (
-    apply_changes,
-    check_room,
-    measure,
-    plan_list,
-    regular_sha256,
-)
+from proxy.airgap.publish import check_room
 from proxy.config.settings import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
-from proxy.store.disk_import import CacheChanges, cache_work, existing_index
 from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import VerifiedPackage
 
@@ -45,47 +39,43 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
     check_room(config.cache.dir, sum(path.lstat().st_size for *_rest, path in found),
                "the directory's packages")
     documents: dict[Path, Any] = {}
-    with cache_work(config.cache.dir) as store:
-        changes = CacheChanges(store)
+    with import_target(config) as target:
         present = 0
-        with existing_index(config.cache.dir) as index:
-            for provider, version, platform, zip_path in found:
-                document_path = zip_path.parent / f"{version}.json"
-                if document_path not in documents:
-                    documents[document_path] = _mirror_document(document_path)
-                try:
-                    hashes = set(documents[document_path]["archives"][platform.key]["hashes"])
-                except (KeyError, TypeError):
-                    raise BundleError(f"{document_path}: no hashes for {platform.key}") \
-                        from None
-                copy = store.spool_path()  # check the copy that will be stored, not the source
-                _copy_regular(zip_path, copy, config.upstream.max_archive_size)
-                try:
-                    sha, h1 = sha256_of_path(copy), h1_of_zip(copy)
-                except (zipfile.BadZipFile, OSError, ValueError):
-                    raise BundleError(f"{zip_path}: not a valid zip") from None
-                if h1 not in hashes and f"zh:{sha}" not in hashes:
-                    raise BundleError(f"{zip_path}: matches none of the hashes in "
-                                      f"{document_path.name}")
-                key = layout.package_record(provider, version, platform)
-                existing = index.get(key) if index is not None else None
-                if isinstance(existing, dict) and existing.get("shasum") != sha:
-                    raise BundleError(f"{zip_path}: the cache holds a different package "
-                                      "under this name")
-                filename = provider.archive_filename(version, platform)
-                archive = layout.provider_archive(provider, version, platform)
-                if isinstance(existing, dict) and regular_sha256(store.path_of(archive)) == sha:
-                    present += 1  # the same package, maybe with more facts: keep those
-                    continue
-                changes.put_file(copy, archive)
-                if not isinstance(existing, dict):
-                    changes.set_record(key, asdict(VerifiedPackage(
-                        filename, sha, h1, copy.stat().st_size)))
-                plan_list(changes, index, layout.version_list_record(provider), [
-                    {"version": version, "protocols": [], "platforms": [platform.key]}],
-                    lambda v: v["version"])
-        apply_changes(changes)
-        measure(store, changes)
+        for provider, version, platform, zip_path in found:
+            document_path = zip_path.parent / f"{version}.json"
+            if document_path not in documents:
+                documents[document_path] = _mirror_document(document_path)
+            try:
+                hashes = set(documents[document_path]["archives"][platform.key]["hashes"])
+            except (KeyError, TypeError):
+                raise BundleError(f"{document_path}: no hashes for {platform.key}") from None
+            copy = target.spool_path()  # check the copy that will be stored, not the source
+            _copy_regular(zip_path, copy, config.upstream.max_archive_size)
+            try:
+                sha, h1 = sha256_of_path(copy), h1_of_zip(copy)
+            except (zipfile.BadZipFile, OSError, ValueError):
+                raise BundleError(f"{zip_path}: not a valid zip") from None
+            if h1 not in hashes and f"zh:{sha}" not in hashes:
+                raise BundleError(f"{zip_path}: matches none of the hashes in "
+                                  f"{document_path.name}")
+            key = layout.package_record(provider, version, platform)
+            existing = target.record(key)
+            if isinstance(existing, dict) and existing.get("shasum") != sha:
+                raise BundleError(f"{zip_path}: the cache holds a different package "
+                                  "under this name")
+            filename = provider.archive_filename(version, platform)
+            archive = layout.provider_archive(provider, version, platform)
+            if isinstance(existing, dict) and target.blob_sha256(archive) == sha:
+                present += 1  # the same package, maybe with more facts: keep those
+                continue
+            target.put_file(copy, archive)
+            if not isinstance(existing, dict):
+                target.set_record(key, asdict(VerifiedPackage(
+                    filename, sha, h1, copy.stat().st_size)))
+            plan_list(target, layout.version_list_record(provider), [
+                {"version": version, "protocols": [], "platforms": [platform.key]}],
+                lambda v: v["version"])
+        target.apply()
     return len(found) - present, present
 
 

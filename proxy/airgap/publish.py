@@ -1,19 +1,16 @@
 """What bundle and mirror-directory imports share: the import applied all or nothing (see
 proxy.store.disk_import) with a failure told as a BundleError, room checked before copying,
-the cache measured afterwards, version lists merged."""
+the cache measured afterwards."""
 
 from __future__ import annotations
 
 import logging
 import stat
-from collections.abc import Callable
-from copy import deepcopy
 from pathlib import Path
-from typing import Any
 
 from proxy.airgap.manifest import BundleError
 from proxy.store.disk import DiskBlobStore
-from proxy.store.disk_import import INDEX_WRITE_ERRORS, CacheChanges, IndexReader
+from proxy.store.disk_import import INDEX_WRITE_ERRORS, CacheChanges
 from proxy.store.disk_space import free_bytes
 from proxy.verification.hashes import sha256_of_path
 
@@ -67,25 +64,3 @@ def regular_sha256(path: Path) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return sha256_of_path(path)
-
-
-def plan_list(changes: CacheChanges, index: IndexReader | None, record_key: str,
-              entries: list[Any], identity: Callable[[Any], str]) -> None:
-    """Add entries to a cached list (version lists), keeping what is there; entries for the
-    same version merge their platforms. A new list is dated 0, so that an online proxy
-    refreshes it soon; offline, age does not matter."""
-    record = changes.record(record_key)
-    if record is None and index is not None:
-        record = index.get(record_key)
-    current: list[Any] = deepcopy(list(record["value"])) if isinstance(record, dict) else []
-    for entry in entries:
-        same = next((c for c in current if identity(c) == identity(entry)), None)
-        if same is None:
-            current.append(entry)
-        elif isinstance(same, dict) and isinstance(entry, dict):
-            same["platforms"] = list(dict.fromkeys([*same.get("platforms", []),
-                                                     *entry.get("platforms", [])]))
-    if not isinstance(record, dict) or current != record["value"]:
-        changes.set_record(record_key, {
-            "fetched_at": record.get("fetched_at", 0) if isinstance(record, dict) else 0,
-            "value": current})

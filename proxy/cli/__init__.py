@@ -1,5 +1,5 @@
 """Command line: `serve`, `client-config`, `healthcheck`, `tls`, and the air-gap commands
-`warm`, `export`, `import` and `keygen`; one module per command group."""
+`warm`, `export`, `import` and `keygen`, and `prune`; one module per command group."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from proxy.cli.client_config import render_client_config
 from proxy.cli.healthcheck import healthcheck
 from proxy.cli.keys import keygen, tls
 from proxy.cli.logs import configure_logging
+from proxy.cli.prune import prune_command
 from proxy.cli.serve import serve
 from proxy.config import ConfigError, load_config
 from proxy.core.redaction import mask_secrets
@@ -46,4 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return export_command(config, args)
     if args.command == "import":
         return import_command(config, args)
+    if args.command == "prune":
+        return prune_command(config, args)
     return serve(config)

@@ -27,10 +27,6 @@ from proxy.config import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform
 
-# Bundles are read from and written to a cache directory; the S3 backend is not one yet.
-_ON_S3 = ("{command} works on a cache directory; with cache.s3 set, the cache is the bucket "
-          "{bucket}, which {command} does not support yet")
-
 
 def warm_command(config: Config, args: argparse.Namespace) -> int:
     """`warm`: fetch what the sources name through a running proxy or into the cache."""
@@ -62,8 +58,6 @@ def warm_command(config: Config, args: argparse.Namespace) -> int:
 
 def export_command(config: Config, args: argparse.Namespace) -> int:
     """`export`: the cache, or what the sources select from it, as one tar bundle."""
-    if config.cache.s3 is not None:
-        return fail(_ON_S3.format(command="export", bucket=config.cache.s3.bucket))
     if args.passphrase_file is not None and args.signing_key is None:
         return fail("--passphrase-file goes with --signing-key")
     try:
@@ -102,8 +96,6 @@ def _trusted_keys(path: Path) -> list[str]:
 
 def import_command(config: Config, args: argparse.Namespace) -> int:
     """`import`: verify a bundle (or a mirror directory) and add it to the cache."""
-    if config.cache.s3 is not None:
-        return fail(_ON_S3.format(command="import", bucket=config.cache.s3.bucket))
     if args.bundle_key is None and not args.allow_unsigned_bundle:
         return fail("import needs --bundle-key FILE (the public key of the exporter, from "
                     "`keygen`), or --allow-unsigned-bundle for one that came over a path "

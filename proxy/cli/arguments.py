@@ -7,6 +7,7 @@ from pathlib import Path
 
 from proxy import __version__
 from proxy.airgap.signing import PUBLIC_KEY_FILE, SECRET_KEY_FILE
+from proxy.cli.prune import duration
 
 _EPILOGS = {
     "import": "Trust: a bundle imports only if its manifest signature verifies with one of the "
@@ -38,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "directory) and add it to the cache"),
                        ("keygen", "write a key pair that signs bundles (export "
                                   "--signing-key) and verifies them (import --bundle-key)"),
-                       ("tls", "show the generated CA, or replace it (rotate)")):
+                       ("tls", "show the generated CA, or replace it (rotate)"),
+                       ("prune", "remove what the cache holds that was not used lately "
+                                 "(run it from cron)")):
         command = commands.add_parser(name, help=text, description=text,
                                       epilog=_EPILOGS.get(name))
         if name != "keygen":
@@ -102,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                 "action", choices=("show", "rotate"),
                 help="show: the CA's path, names and expiry; rotate: replace the CA (every "
                      "client must then trust the new one)")
+        if name == "prune":
+            command.add_argument("--unused-for", type=duration, required=True,
+                                 metavar="DURATION",
+                                 help="remove packages and modules no replica used for this "
+                                      "long (e.g. 30d, 12h, 2w; at least 1h), with their "
+                                      "records")
+            command.add_argument("--dry-run", action="store_true",
+                                 help="print what would be removed; remove nothing")
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",

@@ -23,6 +23,7 @@ from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
+from proxy.store.metered import MeteredBlobStore, MeteredIndex
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 
 log = logging.getLogger(__name__)
@@ -194,13 +195,19 @@ class DiskBlobStore:
 
     def listed(self, prefix: str) -> list[BlobInfo]:
         """list, blocking (commands that work on the cache directory)."""
-        return sorted(self._listed(prefix), key=lambda info: info.key)
+        return sorted((info for info, _used in self._listed(prefix)),
+                      key=lambda info: info.key)
 
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every file whose key starts with prefix (a walk: on the slow pool)."""
         return await slow(self.listed, prefix)
 
-    def _listed(self, prefix: str) -> Iterator[BlobInfo]:
+    async def last_uses(self, prefix: str) -> dict[str, float]:
+        """The files' access times: open records a use there (at most once a minute)."""
+        return await slow(lambda: {info.key: used for info, used in self._listed(prefix)})
+
+    def _listed(self, prefix: str) -> Iterator[tuple[BlobInfo, float]]:
+        """Every file under prefix and its access time."""
         top = self.files.cache_dir
         # Walk only below the prefix's directory part: every key under prefix is there.
         directory = prefix.rpartition("/")[0]
@@ -220,9 +227,10 @@ class DiskBlobStore:
                     if not key.startswith(prefix):
                         continue
                     try:
-                        yield _info(key, identity_of(path.stat()))
+                        found = path.stat()
                     except FileNotFoundError:
                         continue  # evicted meanwhile
+                    yield _info(key, identity_of(found)), found.st_atime
 
     @asynccontextmanager
     async def fill_lock(self, name: str, what: str,
@@ -272,5 +280,5 @@ async def open_disk_storage(config: CacheConfig, metrics: Metrics,
         await blobs.files.evict()
     index = MetadataCache(index_dir(cache_dir), disk)
     opened.callback(index.close)
-    return Storage(blobs, index)
+    return Storage(MeteredBlobStore(blobs, "disk", metrics), MeteredIndex(index, "disk", metrics))
 

@@ -42,6 +42,19 @@ def version_of_provider_archive(provider: ProviderAddress, key: str) -> str | No
     return version if rest != key and name and "/" not in name else None
 
 
+def parse_provider_archive(key: str) -> tuple[ProviderAddress, str, Platform] | None:
+    """The package a provider_archive key names; None for another key."""
+    parts = key.split("/")
+    if len(parts) != 6 or parts[0] != PROVIDER_AREA:
+        return None
+    provider = ProviderAddress(parts[1], parts[2], parts[3])
+    try:
+        version, platform = provider.parse_archive_filename(parts[5])
+    except BadRequest:
+        return None
+    return (provider, version, platform) if version == parts[4] else None
+
+
 def versions_held(provider: ProviderAddress, listed: Iterable[BlobInfo]) -> set[str]:
     """The versions of provider that a listing under provider_prefix(provider) holds at
     least one package of."""
@@ -106,12 +119,37 @@ def version_list_record(provider: ProviderAddress) -> str:
 def module_archive_record(module: ModuleAddress, version: str) -> str:
     """The index key of what was recorded about a stored module archive: its sha256, size
     and identity (`sha256`, `size`, `stored_as`)."""
-    return f"module-archive/{module}/{version}"
+    return f"{MODULE_ARCHIVE_RECORDS}{module}/{version}"
 
 
 def module_version_list_record(module: ModuleAddress) -> str:
     """The index key of a module's version list."""
     return f"module-versions/{module}"
+
+
+def record_of_blob(key: str) -> str | None:
+    """The index key of the record that vouches for the blob at key (a package's verified
+    facts, a module archive's sha256); None for a key that names no package or module."""
+    package = parse_provider_archive(key)
+    if package is not None:
+        return package_record(*package)
+    module = parse_module_archive(key)
+    return None if module is None else module_archive_record(*module)
+
+
+def blob_of_record(key: str) -> str | None:
+    """The blob a record_of_blob key vouches for; None for another key."""
+    parts = key.split("/")
+    if f"{parts[0]}/" == MODULE_ARCHIVE_RECORDS and len(parts) == 6 and parts[5]:
+        return module_archive(ModuleAddress(*parts[1:5]), parts[5])
+    package = parse_package_record(key)
+    return None if package is None else provider_archive(*package)
+
+
+MODULE_ARCHIVE_RECORDS = "module-archive/"
+# Fill leases (`leases/NAME`, with an `expires_at`): what a replica that died mid-fill
+# leaves behind, until prune removes it.
+LEASE_RECORDS = "leases/"
 
 
 # --- fill locks ----------------------------------------------------------------------------

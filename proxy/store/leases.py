@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from proxy.core.errors import ProxyError, Unavailable
 from proxy.core.metrics import Metrics
+from proxy.store import layout
 from proxy.store.protocol import BlobStore, MetadataIndex, Ready
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def lease_outcomes(metrics: Metrics) -> Callable[[str], None]:
 
 def lease_key(name: str) -> str:
     """The index key of the lease on one fill."""
-    return f"leases/{name}"
+    return layout.LEASE_RECORDS + name
 
 
 class FillLeases:

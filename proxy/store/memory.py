@@ -26,6 +26,7 @@ from proxy.core.metrics import Metrics
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
+from proxy.store.metered import MeteredBlobStore, MeteredIndex
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 
 # Eviction frees down to this share of the limit, as the disk backend does.
@@ -96,6 +97,7 @@ class MemoryBlobStore:
         self.leases = leases or FillLeases(MemoryIndex())
         self._generation = itertools.count(1)
         self._on_evict = on_evict
+        self._used: dict[str, float] = {}  # key -> when it was last opened
 
     def close(self) -> None:
         """Forget everything and remove the scratch directory."""
@@ -177,6 +179,7 @@ class MemoryBlobStore:
         if blob is None:
             return None
         self._blobs.move_to_end(key)
+        self._used[key] = time.time()
         self._reading[key] += 1
 
         def release() -> None:
@@ -193,11 +196,16 @@ class MemoryBlobStore:
         if blob is None or (identity is not None and blob.info.identity != identity):
             return False
         del self._blobs[key]
+        self._used.pop(key, None)
         return True
 
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every blob under prefix, in key order."""
         return [self._blobs[key].info for key in sorted(self._blobs) if key.startswith(prefix)]
+
+    async def last_uses(self, prefix: str) -> dict[str, float]:
+        """When each blob under prefix was last opened."""
+        return {key: used for key, used in self._used.items() if key.startswith(prefix)}
 
     @asynccontextmanager
     async def fill_lock(self, name: str, what: str,
@@ -295,4 +303,5 @@ async def open_memory_storage(config: CacheConfig, metrics: Metrics,
                                               lease_outcomes(metrics)))
     opened.callback(blobs.close)
     export_usage(blobs, config.max_size, metrics)
-    return Storage(blobs, index)
+    return Storage(MeteredBlobStore(blobs, "memory", metrics),
+                   MeteredIndex(index, "memory", metrics))

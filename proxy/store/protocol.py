@@ -136,6 +136,12 @@ class BlobStore(Protocol):
         """Every blob whose key starts with prefix, in key order."""
         ...
 
+    async def last_uses(self, prefix: str) -> dict[str, float]:
+        """When each blob under prefix was last opened (epoch seconds), as far as the store
+        records uses (coarsely: disk every minute, S3 every hour); a blob not in it counts
+        from its mtime. May name blobs that are gone (prune clears those)."""
+        ...
+
     def fill_lock(self, name: str, what: str,
                   ready: Ready | None = None) -> AbstractAsyncContextManager[bool]:
         """An exclusive lock on one fill (by name), shared by every process and replica that

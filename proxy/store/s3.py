@@ -21,7 +21,8 @@ import functools
 import hashlib
 import logging
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -39,6 +40,7 @@ from proxy.store.index import MetadataCache
 from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
 from proxy.store.s3_index import S3Index
+from proxy.store.s3_marks import AccessMarks
 from proxy.store.s3_objects import Conflict, ObjectInfo, ObjectStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -126,10 +128,11 @@ class S3BlobStore:
     """The BlobStore over a bucket, with hot copies of what was read in a disk store."""
 
     def __init__(self, objects: ObjectStore, hot: DiskBlobStore, leases: FillLeases,
-                 redirect: bool = False) -> None:
+                 redirect: bool = False, marks: AccessMarks | None = None) -> None:
         self.objects = objects
         self.hot = hot
         self.leases = leases
+        self.marks = marks or AccessMarks(objects)
         self._redirect = redirect
         self._fetches: SingleFlight[None] = SingleFlight()
 
@@ -167,6 +170,7 @@ class S3BlobStore:
                 raise StoreUnavailable(f"{key} was not in the bucket right after its upload")
             if found.etag == etag:  # else another writer's object replaced ours already
                 await self._keep_copy(found, spool)
+            self.marks.written(key)
             return _blob_info(found)
         finally:
             await quick(spool.unlink, True)
@@ -207,7 +211,14 @@ class S3BlobStore:
     async def open(self, key: str) -> DiskBlob | RemoteBlob | None:
         """The blob's hot copy, fetched whole first if there is none (once, however many
         ask); a blob too big for hot copies is read from the bucket. While the bucket is
-        unreachable, the newest hot copy is served."""
+        unreachable, the newest hot copy is served. A use: its last-use mark is written in
+        the background (at most hourly)."""
+        opened = await self._open(key)
+        if opened is not None:
+            self.marks.used(key)
+        return opened
+
+    async def _open(self, key: str) -> DiskBlob | RemoteBlob | None:
         for _attempt in range(2):
             found = await self._find(key)
             if found is None:
@@ -274,7 +285,8 @@ class S3BlobStore:
         return max(copies, key=lambda pair: pair[0].mtime, default=None)
 
     async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:
-        """Delete the object if it still has identity, and its hot copies."""
+        """Delete the object if it still has identity, and its hot copies and last-use
+        mark."""
         check_key(key)
         found = await self.objects.head(key)
         gone = False
@@ -285,6 +297,7 @@ class S3BlobStore:
             except Conflict:
                 gone = False
         if found is None or gone:
+            await self.marks.forget(key)
             for copy in await self.hot.list(key + _COPY):
                 await self.hot.delete(copy.key, copy.identity)
         return gone
@@ -292,6 +305,10 @@ class S3BlobStore:
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every object under prefix (all pages), in key order."""
         return [_blob_info(found) for found in await self.objects.list(prefix)]
+
+    async def last_uses(self, prefix: str) -> dict[str, float]:
+        """What the last-use marks under prefix say (one listing, a GET per mark)."""
+        return await self.marks.last_uses(prefix)
 
     @contextlib.asynccontextmanager
     async def fill_lock(self, name: str, what: str,
@@ -323,9 +340,10 @@ class S3BlobStore:
 
 
 async def open_s3_storage(config: CacheConfig, metrics: Metrics,
-                          opened: contextlib.AsyncExitStack) -> Storage:
+                          opened: contextlib.AsyncExitStack,
+                          clock: Callable[[], float] = time.time) -> Storage:
     """The bucket of config.s3 as the store and index, hot copies under config.dir (bounded
-    by config.max_size), closed by `opened`."""
+    by config.max_size), closed by `opened`; clock: the time last-use marks record."""
     s3: S3Config | None = config.s3
     assert s3 is not None, "open_s3_storage needs cache.s3"
     objects = await ObjectStore.connect(s3, metrics, opened)
@@ -342,7 +360,9 @@ async def open_s3_storage(config: CacheConfig, metrics: Metrics,
     opened.callback(mirror.close)
     index = S3Index(objects, mirror)
     leases = FillLeases(index, LeaseTimings(config.lease_seconds), lease_outcomes(metrics))
-    blobs = S3BlobStore(objects, hot, leases, redirect=s3.serve == "redirect")
+    marks = AccessMarks(objects, clock)
+    opened.push_async_callback(marks.close)
+    blobs = S3BlobStore(objects, hot, leases, redirect=s3.serve == "redirect", marks=marks)
     export_usage(blobs, config.max_size, metrics)
     try:
         await objects.probe()

@@ -241,14 +241,15 @@ class ObjectStore:
         return bytes(body), str(answer["ETag"])
 
     async def put_bytes(self, key: str, body: bytes, if_absent: bool = False,
-                        if_match: str | None = None) -> str:
+                        if_match: str | None = None, operation: str = "put") -> str:
         """A small object (only if key holds none, if_absent; only over the object with
-        ETag if_match: else Conflict); its ETag."""
+        ETag if_match: else Conflict); its ETag. operation: what the request is counted
+        as."""
         options: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
         if if_match is not None:
             options["IfMatch"] = if_match
         checksum = await slow(_sha256_b64, body) if len(body) > _CHUNK else _sha256_b64(body)
-        done = await self._call("put", self._client.put_object, Bucket=self.bucket,
+        done = await self._call(operation, self._client.put_object, Bucket=self.bucket,
                                 Key=self.prefix + key, Body=body, ChecksumSHA256=checksum,
                                 **options)
         return str(done["ETag"])
