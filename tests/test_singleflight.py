@@ -99,6 +99,30 @@ async def test_cancel_all_cancels_running_flights() -> None:
         await task
 
 
+async def test_cancel_all_lets_a_run_finish_whose_offered_answer_it_accepts() -> None:
+    """A shutdown lets a fill finish what is left after publishing (its h1 pass); fills that
+    offered nothing, or something not accepted, are cancelled."""
+    flights: SingleFlight[str] = SingleFlight()
+    finished: list[str] = []
+
+    async def fill(offer: Offer[str], offered: str | None) -> str:
+        if offered is not None:
+            offer(offered)
+        await asyncio.sleep(0.2)
+        finished.append(offered or "none")
+        return "done"
+
+    callers = [asyncio.ensure_future(flights.run_streaming(
+        key, lambda offer, offered=offered: fill(offer, offered)))  # type: ignore[misc]
+        for key, offered in (("published", "final"), ("growing", "spool"), ("nothing", None))]
+    await asyncio.sleep(0.05)
+    await flights.cancel_all(finish=lambda answer: answer == "final")
+    assert finished == ["final"]
+    answers = await asyncio.gather(*callers, return_exceptions=True)
+    assert answers[:2] == ["final", "spool"]  # offered before the shutdown
+    assert isinstance(answers[2], asyncio.CancelledError)
+
+
 async def test_runs_are_keyed_by_artifact_identity() -> None:
     """Two platforms of one version are two fills; two callers of one platform share one."""
     flights: SingleFlight[str] = SingleFlight()

@@ -27,7 +27,7 @@ from proxy.airgap.signing import ManifestSigner
 from proxy.airgap.sources import Requirement
 from proxy.config.settings import Config
 from proxy.core.errors import ProxyError
-from proxy.core.executors import slow
+from proxy.core.executors import slow_then_close
 from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from proxy.modules.packing import read_packed
@@ -152,11 +152,9 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
                 blob = await storage.blobs.open(key)
                 if blob is None:
                     return False  # evicted since it was listed
-                try:
-                    entry = await slow(_add_checked, tar, member, blob, stored_with, what,
-                                       _where(storage.blobs, key), module)
-                finally:
-                    blob.close()
+                entry = await slow_then_close(blob, _add_checked, tar, member, blob,
+                                              stored_with, what, _where(storage.blobs, key),
+                                              module)
                 manifest["files"][member] = entry
                 return True
 

@@ -26,7 +26,7 @@ from proxy.airgap.manifest import BundleError
 from proxy.airgap.publish import apply_changes, measure, regular_sha256
 from proxy.config.settings import Config
 from proxy.core.errors import InsufficientStorage, ProxyError
-from proxy.core.executors import slow
+from proxy.core.executors import slow, slow_then_close
 from proxy.core.metrics import Metrics
 from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_import import CacheChanges, IndexReader, cache_work, existing_index
@@ -194,10 +194,7 @@ class SeamTarget:
         blob = await self._storage.blobs.open(key)
         if blob is None:
             return None
-        try:
-            return await slow(_hash_blob_file, blob.file, blob.local_path is None)
-        finally:
-            blob.close()
+        return await slow_then_close(blob, _hash_blob_file, blob.file, blob.local_path is None)
 
     def put_file(self, staged: Path, key: str) -> None:
         """Publish staged as the blob at key when applied."""
@@ -274,12 +271,11 @@ class SeamTarget:
             return None
         backup = self._storage.blobs.spool_path()
         try:
-            await slow(_copy_blob_file, blob.file, blob.local_path is None, backup)
+            await slow_then_close(blob, _copy_blob_file, blob.file, blob.local_path is None,
+                                  backup)
         except BaseException:
             backup.unlink(missing_ok=True)
             raise
-        finally:
-            blob.close()
         return backup
 
     async def _write(self, key: str, value: Any,

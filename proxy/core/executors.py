@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal, ParamSpec, TypeVar
+from typing import Literal, ParamSpec, Protocol, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -136,6 +137,55 @@ async def slow(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run blocking work over whole files or trees (hashing, unzip, packing, fsync of a
     package, walking the cache) off the event loop, in the pool that hits never wait for."""
     return await _submit("slow", fn, *args, **kwargs)
+
+
+class Closable(Protocol):
+    """What slow_then_close releases: an open file, an open blob."""
+
+    def close(self) -> None:
+        """Release it."""
+        ...
+
+
+async def slow_then_close(resource: Closable, fn: Callable[P, T], *args: P.args,
+                          **kwargs: P.kwargs) -> T:
+    """slow(fn, ...) over an open resource, then resource.close(): never while fn may still
+    use it. A caller cancelled meanwhile (a shutdown, a client that left) does not stop the
+    thread, so the thread then closes it when fn is done (on the loop, if it still runs); a
+    job that never started is closed at once."""
+    loop = asyncio.get_running_loop()
+    lock = threading.Lock()
+    state = {"running": False, "abandoned": False}
+
+    def job() -> T:
+        with lock:
+            if state["abandoned"]:  # the caller left before it started: closed there
+                raise asyncio.CancelledError
+            state["running"] = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with lock:
+                state["running"] = False
+                orphaned = state["abandoned"]
+            if orphaned:
+                _close_on(loop, resource)
+
+    try:
+        return await _submit("slow", job)
+    finally:
+        with lock:
+            state["abandoned"] = True
+            running = state["running"]
+        if not running:
+            resource.close()
+
+
+def _close_on(loop: asyncio.AbstractEventLoop, resource: Closable) -> None:
+    try:
+        loop.call_soon_threadsafe(resource.close)
+    except RuntimeError:  # the loop is closed: nothing else uses the resource any more
+        resource.close()
 
 
 async def dns(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -107,11 +107,17 @@ class SingleFlight(Generic[T]):
         else:
             answer.set_result(task.result())
 
-    async def cancel_all(self) -> None:
-        """Cancel every run under way and wait for them to unwind (shutdown)."""
+    async def cancel_all(self, finish: Callable[[T], bool] | None = None) -> None:
+        """Cancel every run under way and wait for them to unwind (shutdown). A run that
+        already offered an answer that `finish` accepts is let finish instead (what is left
+        of it is short and worth having, as the hash of a file it published)."""
+        finishing = {flight.task for flight in self._flights.values()
+                     if finish is not None and _answered(flight.answer)
+                     and finish(flight.answer.result())}
         tasks = list(self._tasks)
         for task in tasks:
-            task.cancel()
+            if task not in finishing:
+                task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -41,8 +41,10 @@ class PackageFills:
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
 
     async def close(self) -> None:
-        """Stop fills under way (shutdown); their temp files are swept at the next start."""
-        await self._flights.cancel_all()
+        """Stop fills under way (shutdown); their temp files are swept at the next start. A
+        fill that published its file finishes: its h1 pass (one read of the zip) is all that
+        is left, and a package stored without its h1 would be read whole again later."""
+        await self._flights.cancel_all(finish=_published)
 
     async def archive(self, provider: ProviderAddress, version: str,
                       platform: Platform) -> BlobInfo | GrowingFile[BlobInfo]:

@@ -5,7 +5,11 @@ never give its wrong hash to a lock file, nor be served as the package."""
 from __future__ import annotations
 
 import logging
+import lzma
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from proxy.core.errors import IntegrityError
-from proxy.core.executors import slow
+from proxy.core.executors import slow_then_close
 from proxy.core.singleflight import SingleFlight
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
@@ -166,7 +170,8 @@ class CheckedFiles:
 
 
 async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) -> T | None:
-    """read(the open blob) on the slow pool; None when the blob is gone."""
+    """read(the open blob) on the slow pool, the blob closed once read is done with it (not
+    before, even if the caller is cancelled meanwhile); None when the blob is gone."""
     try:
         blob = await store.open(key)
     except FileNotFoundError:
@@ -177,10 +182,7 @@ async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) 
                           None if info is None else info.identity) from None
     if blob is None:
         return None  # evicted meanwhile: nothing to check, nothing to drop
-    try:
-        return await slow(read, blob)
-    finally:
-        blob.close()
+    return await slow_then_close(blob, read, blob)
 
 
 def _hashed_read(blob: OpenBlob, then: Callable[[OpenBlob, BinaryIO, FileIdentity, str], T]) -> T:
@@ -224,14 +226,23 @@ def _unchanged_identity(blob: OpenBlob, _handle: BinaryIO, before: FileIdentity)
     return before
 
 
+# What reading a zip that is not a good one raises: zipfile's own errors, NotImplementedError
+# (a compression or an encryption it lacks), the decompressors' errors, EOFError (a member cut
+# short), KeyError, struct.error and UnicodeDecodeError (mangled headers and names), and
+# ValueError (h1 refuses a name; a corrupt offset seeks before the start). Not OSError: an
+# unreadable file is damage. Any other error is a fault of ours, not the zip's.
+_BAD_ZIP = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, zlib.error,
+            lzma.LZMAError, EOFError, KeyError, struct.error, UnicodeDecodeError, ValueError)
+
+
 def _h1_of_checked(blob: OpenBlob, handle: BinaryIO, before: FileIdentity) -> str | None:
     with _read_errors_are_damage(before):
         try:
             # The same open file: what is unzipped is what was just checked.
             return h1_of_zip(handle)
-        except OSError:
-            raise
-        except Exception as exc:  # zipfile raises many kinds of error on bad zips
+        except _BAD_ZIP as exc:
+            if handle.closed:  # a ValueError for reading a closed file: ours, not the zip's
+                raise
             log.warning("%s matches its signed checksum, but its h1 cannot be computed: %s",
                         blob.info.key, exc)
             return None
