@@ -6,6 +6,7 @@ a cache key, a file name or part of an upstream URL.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ _MAX_PART = 64
 _MAX_VERSION = 128
 
 
+@functools.lru_cache(maxsize=4096)  # per request on every route: IDNA is not cheap
 def normalize_hostname(text: str) -> str:
     """Return the comparison form of a registry hostname: IDNA ASCII, lowercase, `:port` kept
     unless it is the default 443. Raises BadRequest when the name is not a valid hostname."""

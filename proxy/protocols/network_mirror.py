@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import UpstreamConfig
@@ -19,6 +22,7 @@ from proxy.core.errors import (
     ProxyError,
     UpstreamError,
 )
+from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress, version_sort_key
 from proxy.core.spool import GrowingFile
@@ -30,7 +34,18 @@ from proxy.verification.stored_packages import StoredPackages
 
 log = logging.getLogger(__name__)
 _PLATFORM_FETCH_CONCURRENCY = 8
-_COMPLETE_DOCUMENTS = 4096
+_HELD_DOCUMENTS = 4096
+# A document whose packages are all verified but some still lack their h1 is answered from
+# memory this long; an h1 recorded by this process rebuilds it at once, one recorded by
+# another process sharing the store shows within this bound.
+INCOMPLETE_DOCUMENT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class _HeldDocument:
+    document: dict[str, Any]
+    body: JsonBody
+    until: float | None  # monotonic; None: complete, nothing in it changes any more
 
 
 class ProviderMirror:
@@ -43,9 +58,14 @@ class ProviderMirror:
         self._stored = stored
         self._fills = fills
         self._filters = packages.filters
-        # VERSION.json documents in which every platform upstream lists is present with its
-        # h1: nothing in them changes any more, so they are answered from memory.
-        self._complete_documents: dict[tuple[str, str], dict[str, Any]] = {}
+        # VERSION.json documents as sent, rebuilt when this process records facts about one
+        # of their packages (saves counts those, so a build that raced one is not kept).
+        self._documents: OrderedDict[tuple[str, str], _HeldDocument] = OrderedDict()
+        self._saves = 0
+        packages.on_save(self._forget_document)
+        # index.json as sent, for the version list object it was built from (the same object
+        # until the list is read or refreshed again).
+        self._indexes: OrderedDict[str, tuple[object, JsonBody]] = OrderedDict()
         self._offline = config.offline
         self._metrics = metrics
 
@@ -59,16 +79,60 @@ class ProviderMirror:
         ordered = sorted((e.version for e in entries), key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
 
+    async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
+        """`index.json` as sent: serialized once per version list read (online)."""
+        if self._offline:  # follows what is stored, not only the list
+            return json_body(await self.list_versions(provider))
+        self._packages.require_served(provider)
+        entries = await self._packages.version_list(provider)
+        held = self._indexes.get(str(provider))
+        if held is not None and held[0] is entries:
+            self._indexes.move_to_end(str(provider))
+            return held[1]
+        ordered = sorted((e.version for e in entries), key=version_sort_key)
+        body = json_body({"versions": {version: {} for version in ordered}})
+        _keep(self._indexes, str(provider), (entries, body))
+        return body
+
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:
-        """The body of `VERSION.json`: every platform whose package verifies, with its hashes.
+        """The body of `VERSION.json` (not to be modified): every platform whose package
+        verifies, with its hashes."""
+        return (await self._held_document(provider, version)).document
+
+    async def version_document_body(self, provider: ProviderAddress, version: str) -> JsonBody:
+        """`VERSION.json` as sent (see version_document)."""
+        return (await self._held_document(provider, version)).body
+
+    def _forget_document(self, provider: ProviderAddress, version: str) -> None:
+        self._saves += 1
+        self._documents.pop((str(provider), version), None)
+
+    async def _held_document(self, provider: ProviderAddress, version: str) -> _HeldDocument:
+        """The document from memory while it holds; else built, and kept unless it lacks a
+        platform (retried on the next request) or the proxy is offline (it follows what is
+        stored)."""
+        self._packages.require_served(provider)
+        key = (str(provider), version)
+        held = self._documents.get(key)
+        if held is not None and (held.until is None or time.monotonic() < held.until):
+            self._documents.move_to_end(key)
+            return held
+        saves = self._saves
+        document, complete, every_platform = await self._build_document(provider, version)
+        held = _HeldDocument(document, json_body(document), None if complete else
+                             time.monotonic() + INCOMPLETE_DOCUMENT_SECONDS)
+        if every_platform and not self._offline and saves == self._saves:
+            _keep(self._documents, key, held)
+        return held
+
+    async def _build_document(self, provider: ProviderAddress,
+                              version: str) -> tuple[dict[str, Any], bool, bool]:
+        """The VERSION.json document, whether it is complete (every platform with its h1) and
+        whether every platform is in it.
 
         Platforms that upstream lists but cannot (yet) deliver or verify are left out and
         retried on the next request: nothing about them is cached. A bad signature condemns
         the whole release."""
-        self._packages.require_served(provider)
-        complete = self._complete_documents.get((str(provider), version))
-        if complete is not None:
-            return complete
         entry = await self._packages.version_entry(provider, version)
         if not entry.platforms:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
@@ -108,11 +172,6 @@ class ProviderMirror:
                 hashes.insert(0, result.h1)
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
-        if len(archives) == len(platforms) and not self._offline \
-                and all(len(a["hashes"]) == 2 for a in archives.values()):
-            if len(self._complete_documents) >= _COMPLETE_DOCUMENTS:
-                self._complete_documents.pop(next(iter(self._complete_documents)))
-            self._complete_documents[(str(provider), version)] = {"archives": archives}
         if not archives:
             if all(isinstance(f, NotFound) for f in failures):
                 raise NotFound(f"no package of {provider} {version}: {failures[0].message}")
@@ -120,7 +179,9 @@ class ProviderMirror:
                 raise failures[0]
             raise UpstreamError(f"no package of {provider} {version} could be fetched: "
                                 f"{failures[0].message}")
-        return {"archives": archives}
+        every_platform = len(archives) == len(platforms)
+        complete = every_platform and all(len(a["hashes"]) == 2 for a in archives.values())
+        return {"archives": archives}, complete, every_platform
 
     async def archive(self, provider: ProviderAddress,
                       filename: str) -> BlobInfo | GrowingFile[BlobInfo]:
@@ -136,3 +197,12 @@ class ProviderMirror:
             return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         return await self._fills.archive(provider, version, platform)
+
+
+def _keep(held: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """Remember value as the most recently used, forgetting the least recently used beyond
+    the bound."""
+    held[key] = value
+    held.move_to_end(key)
+    while len(held) > _HELD_DOCUMENTS:
+        held.popitem(last=False)

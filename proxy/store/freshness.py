@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from proxy.core.errors import ProxyError, UpstreamError
@@ -24,6 +26,18 @@ T = TypeVar("T")
 UNKNOWN_ENTRY_REFRESH_SECONDS = 30.0
 # After upstream failed, stale copies are served without asking it again for this long.
 FAILURE_BACKOFF_SECONDS = 30.0
+# Copies held in memory (hits read no index), the most recently used ones.
+HELD_COPIES = 4096
+# Offline, nothing expires, but an import into the shared store must still show: a held copy
+# is read from the store again after this long.
+OFFLINE_RECHECK_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class _Held(Generic[T]):
+    fetched_at: float  # when upstream sent it (the stored record's time)
+    copy: T
+    read_at: float  # monotonic, when this process last read or wrote the record
 
 
 class RefreshingDocuments(Generic[T]):
@@ -42,6 +56,7 @@ class RefreshingDocuments(Generic[T]):
         self._fills: SingleFlight[T] = SingleFlight()
         self._failed_until: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._held: OrderedDict[str, _Held[T]] = OrderedDict()
 
     async def close(self) -> None:
         """Stop refreshes under way."""
@@ -51,12 +66,21 @@ class RefreshingDocuments(Generic[T]):
 
     async def get(self, key: str, fetch: Callable[[], Awaitable[T]],
                   knows: Callable[[T], bool] | None = None) -> T:
-        """The document at key. `knows` says whether a copy holds what the caller wants."""
+        """The document at key (the same object while its record is unchanged). `knows` says
+        whether a copy holds what the caller wants."""
+        held = self._held.get(key)
+        if held is not None and self._still_good(held, knows):
+            self._held.move_to_end(key)
+            self._metrics.cache_lookups.labels(self._kind, "hit").inc()
+            return held.copy
         record = await self._cache.get(key)
         if record is None:
             self._metrics.cache_lookups.labels(self._kind, "miss").inc()
             return await self._refresh(key, fetch)
-        copy = self._decode(record["value"])
+        if held is not None and held.fetched_at == record["fetched_at"]:
+            copy = self._hold(key, held.fetched_at, held.copy)  # unchanged: the same object
+        else:
+            copy = self._hold(key, record["fetched_at"], self._decode(record["value"]))
         age = time.time() - record["fetched_at"]
         known = knows is None or knows(copy)
         if self._offline or (age < self._ttl and (known or age < UNKNOWN_ENTRY_REFRESH_SECONDS)):
@@ -73,6 +97,22 @@ class RefreshingDocuments(Generic[T]):
         except UpstreamError as exc:
             return self._stale(key, copy, exc.message)
 
+    def _still_good(self, held: _Held[T], knows: Callable[[T], bool] | None) -> bool:
+        """Whether a held copy answers without reading the store: online while it is fresh
+        (and has what is asked for; another process's refresh then shows within the TTL),
+        offline for a few seconds."""
+        if self._offline:
+            return time.monotonic() - held.read_at < OFFLINE_RECHECK_SECONDS
+        return time.time() - held.fetched_at < self._ttl and (knows is None or knows(held.copy))
+
+    def _hold(self, key: str, fetched_at: float, copy: T) -> T:
+        """Keep a copy just read from (or written to) the store in memory."""
+        self._held[key] = _Held(fetched_at, copy, time.monotonic())
+        self._held.move_to_end(key)
+        while len(self._held) > HELD_COPIES:
+            self._held.popitem(last=False)
+        return copy
+
     def _failing(self, key: str) -> bool:
         return self._failed_until.get(key, 0.0) > time.monotonic()
 
@@ -86,8 +126,9 @@ class RefreshingDocuments(Generic[T]):
             self._failed_until[key] = time.monotonic() + FAILURE_BACKOFF_SECONDS
             raise
         self._failed_until.pop(key, None)
-        await self._cache.set(key, {"fetched_at": time.time(), "value": self._encode(value)})
-        return value
+        fetched_at = time.time()
+        await self._cache.set(key, {"fetched_at": fetched_at, "value": self._encode(value)})
+        return self._hold(key, fetched_at, value)
 
     def _refresh_in_background(self, key: str, fetch: Callable[[], Awaitable[T]]) -> None:
         async def refresh() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,6 +40,9 @@ log = logging.getLogger(__name__)
 # registry.opentofu.org publishes some providers without signing keys; OpenTofu accepts that
 # for this host alone, so the proxy does too (logged). Every other host must sign.
 UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
+# Verified facts held in memory once they carry an h1 (nothing a document shows changes after
+# that), the most recently used ones.
+HELD_FACTS = 16384
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,13 @@ class VerifiedPackages:
             offline=config.offline)
         self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
+        self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
+        self._on_save: list[Callable[[ProviderAddress, str], None]] = []
+
+    def on_save(self, listener: Callable[[ProviderAddress, str], None]) -> None:
+        """Call listener(provider, version) whenever this process records facts that may
+        change what a document of that version shows (an h1, a stored zip), so it is rebuilt."""
+        self._on_save.append(listener)
 
     def require_served(self, provider: ProviderAddress) -> None:
         """NotFound unless the proxy serves this provider (see Filters.require_provider)."""
@@ -125,7 +137,26 @@ class VerifiedPackages:
         """Record (updated) facts about a package."""
         record = asdict(package)
         record["stored_as"] = identity_to_record(package.stored_as)
-        await self._cache.set(self.package_key(provider, version, platform), record)
+        key = self.package_key(provider, version, platform)
+        await self._cache.set(key, record)
+        held = self._held.get(key)
+        self._hold(key, package)
+        # Documents show the h1, or compute it once the zip is stored: only facts that repeat
+        # the h1 already held leave them as they are.
+        if package.h1 is None or held is None or held.h1 != package.h1:
+            for listener in self._on_save:
+                listener(provider, version)
+
+    def _hold(self, key: str, package: VerifiedPackage) -> None:
+        """Keep facts that carry an h1 in memory; facts without one are read from the store
+        each time, so an h1 that another process records shows on the next request."""
+        if package.h1 is None:
+            self._held.pop(key, None)
+            return
+        self._held[key] = package
+        self._held.move_to_end(key)
+        while len(self._held) > HELD_FACTS:
+            self._held.popitem(last=False)
 
     async def stored_facts(self, provider: ProviderAddress, version: str,
                            platform: Platform) -> VerifiedPackage | None:
@@ -137,10 +168,17 @@ class VerifiedPackages:
                       info: DownloadInfo | None = None) -> VerifiedPackage:
         """The verified facts of a package: cached, or fetched and checked now."""
         key = self.package_key(provider, version, platform)
+        held = self._held.get(key)
+        if held is not None:
+            self._held.move_to_end(key)
+            self._metrics.cache_lookups.labels("package", "hit").inc()
+            return held
         record = await self._cache.get(key)
         if record is not None:
             self._metrics.cache_lookups.labels("package", "hit").inc()
-            return _package_from_record(record)
+            package = _package_from_record(record)
+            self._hold(key, package)
+            return package
         self._metrics.cache_lookups.labels("package", "miss").inc()
         return await self._package_fills.run(
             key, lambda: self._fill_package(key, provider, version, platform, info))

@@ -21,6 +21,7 @@ from prometheus_client import Counter
 
 from proxy.core.errors import InsufficientStorage, IntegrityError, ProxyError, Unavailable
 from proxy.core.executors import quick, quick_soon
+from proxy.core.json_bodies import JsonBody
 from proxy.core.redaction import mask_secrets
 from proxy.core.spool import GrowingFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
@@ -33,6 +34,22 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
     """Serialize a protocol document as application/json."""
     return web.Response(status=status, body=json.dumps(document, separators=(",", ":")).encode(),
                         content_type="application/json")
+
+
+def json_body_response(request: web.Request, document: JsonBody) -> web.Response:
+    """Send a serialized document as is, with its strong ETag; 304 when the client holds it."""
+    headers = {"ETag": document.etag}
+    if _holds(request.headers.get("If-None-Match"), document.etag):
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=document.body, content_type="application/json", headers=headers)
+
+
+def _holds(if_none_match: str | None, etag: str) -> bool:
+    """Whether If-None-Match names etag (weak comparison, as RFC 9110 13.1.2 asks)."""
+    if not if_none_match:
+        return False
+    tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
+    return "*" in tags or etag in tags
 
 
 def error_body(message: str) -> bytes:

@@ -24,7 +24,7 @@ from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
-from proxy.web.responses import json_response, send_file
+from proxy.web.responses import json_body_response, json_response, send_file
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -73,16 +73,17 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     name = info["name"]
     mirror = request.app[MIRROR_KEY]
     if name == "index.json":
-        return json_response(await mirror.list_versions(provider))
+        return json_body_response(request, await mirror.list_versions_body(provider))
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
-        document = await mirror.version_document(provider, version)
-        if SIGNER_KEY in request.app:  # archives are fetched without credentials
-            document = copy.deepcopy(document)
-            directory = request.path.rsplit("/", 1)[0]
-            for archive in document["archives"].values():
-                archive["url"] = _signed(request, f"{directory}/{archive['url']}",
-                                         archive["url"])
+        if SIGNER_KEY not in request.app:
+            return json_body_response(request,
+                                      await mirror.version_document_body(provider, version))
+        # Archives are fetched without credentials: each answer carries its own signed URLs.
+        document = copy.deepcopy(await mirror.version_document(provider, version))
+        directory = request.path.rsplit("/", 1)[0]
+        for archive in document["archives"].values():
+            archive["url"] = _signed(request, f"{directory}/{archive['url']}", archive["url"])
         return json_response(document)
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
