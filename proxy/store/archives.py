@@ -93,7 +93,14 @@ class ArchiveStore:
 
     def close(self) -> None:
         """Remove this process's temp directory (a clean shutdown)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        # A fill being cut at shutdown may still create a file while the tree is removed
+        # (its thread outlives the cancelled task); then the directory is not empty when
+        # rmtree reaches it, and is tried again.
+        for attempt in range(_CLOSE_ATTEMPTS):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if not self.tmp.exists():
+                break
+            time.sleep(0.05 * (attempt + 1))
         self._tmp_lock.close()
 
     def sweep_temp(self) -> int:
@@ -313,6 +320,7 @@ class ArchiveStore:
 
 _LOCK_NAME = ".owner.lock"
 _YOUNG_SECONDS = 60.0
+_CLOSE_ATTEMPTS = 5
 _PENDING = ".new-"
 _LOCKS = "locks"
 _USAGE = "usage.lock"
