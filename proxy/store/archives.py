@@ -28,7 +28,7 @@ import aiofiles.os
 from proxy.core.executors import quick, quick_soon
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
-from proxy.store.layout import AREAS
+from proxy.store.layout import AREAS, HOT_COPIES_DIR
 from proxy.store.protocol import Ready
 from proxy.store.usage import (
     HeldLedger,
@@ -90,6 +90,14 @@ class ArchiveStore:
     def temp_root(cache_dir: Path) -> Path:
         """Where the processes using cache_dir keep their temp directories and locks."""
         return cache_dir / "tmp"
+
+    @classmethod
+    def remove_temp_of(cls, cache_dir: Path, pid: int) -> None:
+        """Remove what an ended process (a worker) left in its temp directories."""
+        for root in (cls.temp_root(cache_dir), cls.temp_root(cache_dir / HOT_COPIES_DIR)):
+            if root.is_dir():
+                for leftover in root.glob(f"p{pid}-*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def close(self) -> None:
         """Remove this process's temp directory (a clean shutdown)."""
