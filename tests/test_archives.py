@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -91,6 +92,27 @@ def test_sweep_removes_what_dead_processes_left_and_spares_live_ones(tmp_path: P
     live.close()
     assert not live.tmp.exists()  # a clean shutdown removes its own files...
     assert mine.sweep_temp() == 0  # ...so the sweep finds nothing more to remove
+
+
+def test_close_removes_its_temp_directory_even_if_a_cut_fill_writes_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill cut at shutdown may create a spool file while close() removes the tree: the
+    directory must still be gone afterwards (seen as a leftover after SIGTERM)."""
+    store = ArchiveStore(tmp_path)
+    real_rmtree = shutil.rmtree
+    raced = []
+
+    def rmtree_with_a_late_writer(path: Any, ignore_errors: bool = False) -> None:
+        real_rmtree(path, ignore_errors=ignore_errors)
+        if not raced:  # the late write lands between the files' removal and the rmdir
+            raced.append(path)
+            Path(path).mkdir(exist_ok=True)
+            (Path(path) / "late.part").write_bytes(b"late")
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_with_a_late_writer)
+    store.close()
+    assert raced == [store.tmp]
+    assert not store.tmp.exists()
 
 
 def test_sweep_removes_a_killed_process_files_only_once_it_is_dead(tmp_path: Path) -> None:

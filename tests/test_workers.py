@@ -63,9 +63,16 @@ def test_a_dead_worker_stops_the_service(tmp_path: Path, write_config: Callable[
                                   capture_output=True, text=True).stdout.split()
         workers = [pid for pid in children
                    if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
-        os.kill(int(workers[-1]), signal.SIGKILL)
+        killed = int(workers[-1])
+        deadline = time.monotonic() + 15
+        while not list((cache / "tmp").glob(f"p{killed}-*")):  # the worker is set up
+            assert time.monotonic() < deadline, "the worker made no temp directory"
+            time.sleep(0.05)
+        os.kill(killed, signal.SIGKILL)
         assert proxy.process.wait(timeout=20) != 0
     assert "stopping the others" in proxy.log.read_text()
+    # The killed worker could not remove its temp directory: the parent did.
+    assert [p.name for p in (cache / "tmp").iterdir() if p.name != "locks"] == []
 
 
 def test_workers_on_a_fresh_state_dir_accept_each_others_signed_urls(

@@ -14,6 +14,7 @@ from pathlib import Path
 from proxy.cli.logs import configure_logging
 from proxy.cli.server import run_loop, run_server
 from proxy.config import Config
+from proxy.store.archives import ArchiveStore
 from proxy.tls.certificates import ensure_certificate, ssl_context
 from proxy.web.shutdown import EXIT_MARGIN, die_with_parent
 
@@ -71,6 +72,9 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
                 worker.kill()
                 worker.join()
             running, code = [], code or 1
+    for worker in workers:  # its own shutdown removes them; a killed worker's stay
+        if worker.pid is not None:
+            ArchiveStore.remove_temp_of(config.cache.dir, worker.pid)
     return code if code >= 0 else 1
 
 

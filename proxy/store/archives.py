@@ -28,7 +28,7 @@ import aiofiles.os
 from proxy.core.executors import quick, quick_soon
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
-from proxy.store.layout import AREAS
+from proxy.store.layout import AREAS, HOT_COPIES_DIR
 from proxy.store.protocol import Ready
 from proxy.store.usage import (
     HeldLedger,
@@ -91,9 +91,24 @@ class ArchiveStore:
         """Where the processes using cache_dir keep their temp directories and locks."""
         return cache_dir / "tmp"
 
+    @classmethod
+    def remove_temp_of(cls, cache_dir: Path, pid: int) -> None:
+        """Remove what an ended process (a worker) left in its temp directories."""
+        for root in (cls.temp_root(cache_dir), cls.temp_root(cache_dir / HOT_COPIES_DIR)):
+            if root.is_dir():
+                for leftover in root.glob(f"p{pid}-*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
+
     def close(self) -> None:
         """Remove this process's temp directory (a clean shutdown)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        # A fill being cut at shutdown may still create a file while the tree is removed
+        # (its thread outlives the cancelled task); then the directory is not empty when
+        # rmtree reaches it, and is tried again.
+        for attempt in range(_CLOSE_ATTEMPTS):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if not self.tmp.exists():
+                break
+            time.sleep(0.05 * (attempt + 1))
         self._tmp_lock.close()
 
     def sweep_temp(self) -> int:
@@ -313,6 +328,7 @@ class ArchiveStore:
 
 _LOCK_NAME = ".owner.lock"
 _YOUNG_SECONDS = 60.0
+_CLOSE_ATTEMPTS = 5
 _PENDING = ".new-"
 _LOCKS = "locks"
 _USAGE = "usage.lock"

@@ -19,6 +19,8 @@ PROVIDER_AREA = "archives"
 MODULE_AREA = "modules"
 # The blob areas, in the order the disk backend counts and evicts them.
 AREAS = (PROVIDER_AREA, MODULE_AREA)
+# Under cache.dir: where an object-store backend keeps its local hot copies.
+HOT_COPIES_DIR = "s3"
 _MODULE_SUFFIX = ".tar.gz"
 
 

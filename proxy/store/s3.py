@@ -33,6 +33,7 @@ from proxy.core.errors import InsufficientStorage
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
 from proxy.core.singleflight import SingleFlight
+from proxy.store import layout
 from proxy.store.disk import DiskBlob, DiskBlobStore
 from proxy.store.disk_space import DiskSpace, is_out_of_space
 from proxy.store.file_identity import FileIdentity
@@ -347,7 +348,7 @@ async def open_s3_storage(config: CacheConfig, metrics: Metrics,
     s3: S3Config | None = config.s3
     assert s3 is not None, "open_s3_storage needs cache.s3"
     objects = await ObjectStore.connect(s3, metrics, opened)
-    hot_dir = config.dir / "s3"
+    hot_dir = config.dir / layout.HOT_COPIES_DIR
     disk = DiskSpace(config.dir, on_full=lambda kind: metrics.disk_full.labels(kind).inc())
     hot = await quick(DiskBlobStore.at, hot_dir, config.max_size,
                       lambda count, _size: metrics.evictions.inc(count), disk)
