@@ -196,3 +196,18 @@ max_concurrent_fills = 2
         load_config(write(tmp_path, '[cache]\nmax_size = "lots"\n[upstream]\nmode = "sometimes"'
                                     '\nmax_concurrent_fills = 0\n'), environ={})
     assert len(caught.value.problems) == 3
+
+
+def test_workers_default_to_one_per_available_cpu_and_a_number_wins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 5)
+    assert load_config(None, environ={}).server.workers == 5
+    assert load_config(write(tmp_path, '[server]\nworkers = "auto"\n'),
+                       environ={}).server.workers == 5
+    assert load_config(write(tmp_path, "[server]\nworkers = 3\n"), environ={}).server.workers == 3
+    environ = {"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"}
+    assert load_config(None, environ=environ).server.workers == 2
+    for bad in ('"many"', "0", "true", "1.5"):
+        with pytest.raises(ConfigError, match=r'server\.workers: expected "auto"'):
+            load_config(write(tmp_path, f"[server]\nworkers = {bad}\n"), environ={})

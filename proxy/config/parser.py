@@ -24,6 +24,7 @@ from proxy.config.settings import (
     ServerConfig,
     UpstreamConfig,
     UpstreamHostConfig,
+    available_cpus,
     default_cache_dir,
     default_state_dir,
     parse_size,
@@ -211,7 +212,7 @@ class _Parser:
             self.problems.append(f"server.access_log: expected plain, json or off, got "
                                  f"{access_log!r}")
             access_log = "plain"
-        workers = self._whole("server.workers", table, "workers", 1)
+        workers = self._workers(table)
         event_loop = (self._str("server.event_loop", table, "event_loop") or "uvloop").lower()
         if event_loop not in ("uvloop", "asyncio"):
             self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
@@ -388,6 +389,17 @@ class _Parser:
             self.problems.append(f"{where}: expected a positive number, got {value!r}")
             return default
         return number
+
+    def _workers(self, table: dict[str, Any]) -> int:
+        """server.workers: a whole number, or "auto" (the default), one per CPU."""
+        value = table.get("workers", "auto")
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return available_cpus()
+        if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
+            self.problems.append(f'server.workers: expected "auto" or a whole number of at '
+                                 f"least 1, got {value!r}")
+            return 1
+        return int(value)
 
     def _whole(self, where: str, table: dict[str, Any], key: str, default: int) -> int:
         value = table.get(key, default)

@@ -33,6 +33,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "tf-registry-proxy"
 
 
+def available_cpus() -> int:
+    """How many CPUs this process may run on (its affinity mask, e.g. a container's cpuset,
+    where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def default_state_dir() -> Path:
     """A per-user state directory (XDG_STATE_HOME honored): kept apart from the cache, which
     may be deleted at any time."""
@@ -51,7 +59,8 @@ class ServerConfig:
     public_url: str | None = None
     log_level: str = "info"
     access_log: str = "plain"  # "plain", "json" or "off"
-    workers: int = 1  # processes serving one port (SO_REUSEPORT), sharing the cache
+    # Processes serving one port (SO_REUSEPORT), sharing the cache; "auto": one per CPU.
+    workers: int = field(default_factory=available_cpus)
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
     # Seconds responses under way get to finish on SIGTERM before they are cut.
     shutdown_timeout: float = 30.0

@@ -63,6 +63,9 @@ class ProxyProcess:
         inherited = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
         return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.cache_dir),
                 "XDG_STATE_HOME": f"{self.cache_dir}-state", "PYTHONUNBUFFERED": "1",
+                # One process unless the test asks for more (env): the default is one per
+                # CPU, and tests read one process's metrics and logs.
+                "TF_REGISTRY_PROXY_SERVER_WORKERS": "1",
                 **inherited, **self.extra_env}
 
     def start(self) -> ProxyProcess:
