@@ -212,8 +212,10 @@ async def test_no_file_left_to_create_is_a_full_disk_too(
         == (200, "application/zip", zipped)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_full_disk_at_start_up_is_one_clear_line_and_exit_2(
-        disk: SmallDisk, write_config: Callable[..., Path], tmp_path: Path) -> None:
+        disk: SmallDisk, write_config: Callable[..., Path], tmp_path: Path,
+        workers: str) -> None:
     cache = disk.root / "cache"
     port = free_port()
     config = write_config(cache_dir=cache, port=port)
@@ -222,7 +224,8 @@ def test_full_disk_at_start_up_is_one_clear_line_and_exit_2(
     disk.fill()  # then the disk filled up while the proxy was down
     started = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
                              capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "HOME": str(tmp_path)})
+                             env={**os.environ, "HOME": str(tmp_path),
+                                  "TF_REGISTRY_PROXY_SERVER_WORKERS": workers})
     assert started.returncode == 2, started.stderr
     assert "Traceback" not in started.stderr
     ours = [line for line in started.stderr.splitlines()

@@ -3,11 +3,15 @@ then serve in this process or in workers."""
 
 from __future__ import annotations
 
+import sqlite3
+
 from proxy.cli.logs import configure_logging
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.cli.workers import serve_workers
 from proxy.config import Config
+from proxy.store.disk import probe_index
+from proxy.store.disk_space import describe_start_failure
 from proxy.tls.certificates import TlsStateError, ensure_certificate, ssl_context
 from proxy.tls.state import StatePaths, adopt_legacy_state
 from proxy.web.auth import SigningKeyError, load_signing_key
@@ -40,5 +44,10 @@ def serve(config: Config) -> int:
         except SigningKeyError as exc:
             return fail(f"cannot start: {exc}")
     if server.workers > 1:
+        if config.cache.s3 is None:
+            try:  # once, here, for the same reason: e.g. a full disk
+                probe_index(config.cache.dir)
+            except (OSError, sqlite3.Error) as exc:
+                return fail(describe_start_failure(config.cache.dir, exc))
         return serve_workers(config, certificate.ca)
     return run_loop(run_server(config, context, certificate.ca), server.event_loop)

@@ -36,6 +36,13 @@ _OPEN_FILES = Path("/proc/self/fd")
 _NAMES_OPEN_FILES = _OPEN_FILES.is_dir()
 
 
+def probe_index(cache_dir: Path) -> None:
+    """Open and close the index under cache_dir: raises what opening it at start-up would
+    (OSError or sqlite3.Error, e.g. on a full disk), so that a parent can refuse once before
+    its workers would each refuse."""
+    MetadataCache(index_dir(cache_dir)).close()
+
+
 def index_dir(cache_dir: Path) -> Path:
     """Where the index of the cache directory lives."""
     return cache_dir / "index"
