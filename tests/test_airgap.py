@@ -9,7 +9,6 @@ import json
 import os
 import ssl
 import subprocess
-import sys
 import tarfile
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.verification.hashes import h1_of_zip
+from tests.support.bundles import cli, offline_config, read_bundle, relist, write_bundle
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.gpg import GpgKey, generate_key, stop_agent
 from tests.support.proxy_process import ProxyProcess, free_port
@@ -48,63 +48,9 @@ module "tarball" {
 """
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}
-    if "PYTHONPATH" in os.environ:  # the checkout under test, not another install
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=cwd)
 
 
-def offline_config(tmp_path: Path, name: str, port: int = 8443) -> Path:
-    """A proxy in the air-gapped network: its upstream does not exist, and it is offline."""
-    path = tmp_path / f"{name}.toml"
-    path.write_text(f"""
-[server]
-listen = "127.0.0.1:{port}"
-[cache]
-dir = "{tmp_path / name}"
-[upstream]
-mode = "offline"
-[upstream.hosts."registry.terraform.io".services]
-"providers.v1" = "https://upstream.invalid/v1/providers/"
-"modules.v1" = "https://upstream.invalid/v1/modules/"
-""")
-    return path
 
-
-def read_bundle(bundle: Path) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Every member of a bundle, and its manifest."""
-    with tarfile.open(bundle) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()  # type: ignore[union-attr]
-                   if m.isfile()}
-    return members, json.loads(members["manifest.json"])
-
-
-def write_bundle(path: Path, members: dict[str, bytes],
-                 manifest: dict[str, Any] | None = None, signing_key: Path | None = None,
-                 ) -> Path:
-    """A tar of the given members: the manifest, when given, rewritten first (its old
-    signature kept), then signed again with signing_key, when given."""
-    if manifest is not None:
-        members = {**members, "manifest.json": json.dumps(manifest).encode()}
-    if signing_key is not None:
-        key = pysequoia.Tsk.from_bytes(signing_key.read_bytes())
-        members = {**members, "manifest.json.sig": pysequoia.sign(
-            key.signer(), members["manifest.json"], mode=pysequoia.SignatureMode.DETACHED,
-            armor=False)}
-    with tarfile.open(path, "w") as tar:
-        for name, content in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
-    return path
-
-
-def relist(manifest: dict[str, Any], name: str, content: bytes) -> None:
-    """Make the manifest's entry for a member describe new content."""
-    manifest["files"][name] = {"size": len(content),
-                               "sha256": hashlib.sha256(content).hexdigest()}
 
 
 def cache_snapshot(cache: Path) -> dict[str, str]:
@@ -205,7 +151,7 @@ def test_carry_the_cache_across_the_gap(tmp_path: Path, bundle: Path, bundle_key
     """keygen, export --signing-key, import --bundle-key alone (the registry keys the signed
     bundle carries check the provider signatures), then an offline `terraform init`."""
     port = free_port()
-    inside = offline_config(tmp_path, "inside", port)
+    inside = offline_config(tmp_path, "inside", port=port)
     refused = cli("import", "--config", str(inside), str(bundle), cwd=tmp_path)
     assert refused.returncode == 2 and "--bundle-key" in refused.stderr
     assert not (tmp_path / "inside").exists()

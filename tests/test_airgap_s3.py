@@ -6,9 +6,6 @@ imports it; an import that fails part-way leaves the bucket exactly as it was.""
 from __future__ import annotations
 
 import asyncio
-import io
-import json
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from proxy.app import create_app
 from proxy.cli import main
 from proxy.config import load_config
 from proxy.store.s3_objects import StoreUnavailable
+from tests.support.bundles import read_bundle, write_bundle
 from tests.support.fake_registry import FakeRegistry
 from tests.support.seaweedfs import S3Server
 from tests.support.stores import use_s3_credentials
@@ -92,22 +90,6 @@ async def served_offline(aiohttp_client: Any, config: Path,
     return found
 
 
-def read_bundle(bundle: Path) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Every member of a bundle, and its manifest."""
-    with tarfile.open(bundle) as tar:
-        members = {m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
-                   for m in tar.getmembers() if m.isfile()}
-    return members, json.loads(members["manifest.json"])
-
-
-def write_bundle(path: Path, members: dict[str, bytes], manifest: dict[str, Any]) -> None:
-    """An unsigned bundle of members with manifest rewritten."""
-    members = {**members, "manifest.json": json.dumps(manifest).encode()}
-    with tarfile.open(path, "w") as tar:
-        for name, content in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
 
 
 def bucket_state(server: S3Server, bucket: str) -> dict[str, tuple[str, int]]:

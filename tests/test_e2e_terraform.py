@@ -14,18 +14,11 @@ import pytest
 
 from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
-from tests.support.terraform import lock_file_hashes, terraform_env, terraform_init
+from tests.support.terraform import NULL_AND_RANDOM, lock_file_hashes, terraform_env, terraform_init
 
 pytestmark = pytest.mark.e2e
 
-ROOT_MODULE = """
-terraform {
-  required_providers {
-    null   = { source = "hashicorp/null", version = "~> 3.1" }
-    random = { source = "registry.terraform.io/hashicorp/random", version = "3.6.0" }
-  }
-}
-"""
+ROOT_MODULE = NULL_AND_RANDOM
 
 
 @pytest.fixture

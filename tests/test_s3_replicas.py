@@ -18,18 +18,11 @@ from tests.support.mirror_paths import BASE, ZIP
 from tests.support.proxy_process import ProxyProcess
 from tests.support.s3_replicas import fetch, lease_holder, s3_env, s3_replicas, s3_table
 from tests.support.seaweedfs import S3Server
-from tests.support.terraform import terraform_env, terraform_init
+from tests.support.terraform import NULL_AND_RANDOM, terraform_env, terraform_init
 
 UPSTREAM_ZIP = f"/files/hashicorp/null/3.2.1/{ZIP}"
 LEASE_SECONDS = 3.0
-ROOT_MODULE = """
-terraform {
-  required_providers {
-    null   = { source = "hashicorp/null", version = "~> 3.1" }
-    random = { source = "registry.terraform.io/hashicorp/random", version = "3.6.0" }
-  }
-}
-"""
+ROOT_MODULE = NULL_AND_RANDOM
 
 
 @pytest.fixture

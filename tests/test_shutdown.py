@@ -89,6 +89,19 @@ class SlowDownload(threading.Thread):
             self.ended = time.monotonic()
 
 
+def slow_download_under_way(proxy: ProxyProcess, registry: FakeRegistry,
+                            size: int) -> SlowDownload:
+    """A client downloading a package that upstream sends slowly, once its first bytes came."""
+    registry.faults.add("slowzip")
+    download = SlowDownload(proxy, size)
+    download.start()
+    deadline = time.monotonic() + 20
+    while download.received == 0:
+        assert time.monotonic() < deadline and download.ended is None, "no download"
+        time.sleep(0.05)
+    return download
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_stops_accepting_at_once_and_cuts_slow_downloads_after_the_grace_period(
         tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
@@ -101,13 +114,7 @@ def test_sigterm_stops_accepting_at_once_and_cuts_slow_downloads_after_the_grace
                               "TF_REGISTRY_PROXY_SERVER_WORKERS": str(workers)})
     with proxy:
         assert proxy.process is not None
-        registry.faults.add("slowzip")
-        download = SlowDownload(proxy, size)
-        download.start()
-        deadline = time.monotonic() + 20
-        while download.received == 0:
-            assert time.monotonic() < deadline and download.ended is None, "no download"
-            time.sleep(0.05)
+        download = slow_download_under_way(proxy, registry, size)
         assert list((cache / "tmp").rglob("*.part"))  # a fill is under way
 
         signalled = time.monotonic()
@@ -140,13 +147,7 @@ def test_a_second_sigterm_cuts_at_once(tmp_path: Path, write_config: Callable[..
                          tmp_path / "proxy.log")  # the default grace period: 30 s
     with proxy:
         assert proxy.process is not None
-        registry.faults.add("slowzip")
-        download = SlowDownload(proxy, size)
-        download.start()
-        deadline = time.monotonic() + 20
-        while download.received == 0:
-            assert time.monotonic() < deadline and download.ended is None, "no download"
-            time.sleep(0.05)
+        download = slow_download_under_way(proxy, registry, size)
         proxy.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert proxy.process.poll() is None  # waiting for the download

