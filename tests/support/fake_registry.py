@@ -15,6 +15,7 @@ import random
 import ssl
 import tempfile
 import threading
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,8 @@ class FakeRegistry:
         self.impostor = impostor
         self.releases: dict[tuple[str, str, str], Release] = {}
         self.requests: list[tuple[str, str]] = []
+        self._in_flight = 0
+        self._last_request = 0.0
         self.faults: set[str] = set()
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
@@ -177,6 +180,12 @@ class FakeRegistry:
         return [p for p in self.paths() if p.endswith(".zip")]
 
     def reset(self) -> None:
+        """A clean log and no faults, once requests a previous test's proxy still had under
+        way (a fill it left running) have been answered, so that none lands in the next log."""
+        deadline = time.monotonic() + 2
+        while (self._in_flight or time.monotonic() - self._last_request < 0.05) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.requests.clear()
         self.authorizations.clear()
         self.faults.clear()
@@ -230,6 +239,15 @@ class FakeRegistry:
 
     @web.middleware
     async def _log_and_faults(self, request: web.Request, handler: object) -> web.StreamResponse:
+        self._in_flight += 1
+        self._last_request = time.monotonic()
+        try:
+            return await self._answer(request, handler)
+        finally:
+            self._in_flight -= 1
+            self._last_request = time.monotonic()
+
+    async def _answer(self, request: web.Request, handler: object) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
         self.authorizations.append((request.path, request.headers.get("Authorization")))
         if "down" in self.faults:
