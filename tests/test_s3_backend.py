@@ -5,7 +5,10 @@ archives may be answered with a redirect to a presigned URL, and the settings.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +21,7 @@ from proxy.config.settings import S3Config
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP, archive_path
+from tests.support.proxy_process import free_port
 from tests.support.seaweedfs import S3Server, WeedMini
 from tests.support.stores import s3_cache_config, use_s3_credentials
 
@@ -141,3 +145,24 @@ def test_bad_cache_s3_settings_are_all_reported(tmp_path: Path) -> None:
     path.write_text('[cache.s3]\nregion = "eu-west-1"\n')
     with pytest.raises(ConfigError, match=r"cache.s3.bucket: required"):
         load_config(path, environ={})
+
+
+def test_serve_on_a_missing_bucket_is_one_clear_line_and_exit_2(
+        s3_server: S3Server, write_config: Callable[..., Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo in cache.s3.bucket is a start-up error naming the bucket, not a traceback and
+    not a proxy that answers 503 forever."""
+    use_s3_credentials(s3_server, monkeypatch)
+    config = write_config(cache_dir=tmp_path / "cache", port=free_port())
+    monkeypatch.setenv("TF_REGISTRY_PROXY_CACHE_S3_BUCKET", "no-such-bucket")
+    monkeypatch.setenv("TF_REGISTRY_PROXY_CACHE_S3_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("TF_REGISTRY_PROXY_SERVER_WORKERS", "1")
+    started = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "HOME": str(tmp_path)})
+    assert started.returncode == 2, started.stderr
+    assert "Traceback" not in started.stderr
+    ours = [line for line in started.stderr.splitlines()
+            if line.startswith("tf-registry-proxy:")]
+    assert len(ours) == 1 and "no-such-bucket" in ours[0], started.stderr
+    assert s3_server.secret_key not in started.stderr

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from proxy.app import create_app
 from proxy.cli.messages import fail
 from proxy.config import Config
+from proxy.core.errors import ProxyError
 from proxy.store.disk_space import describe_start_failure
 from proxy.web.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.web.auth import SigningKeyError
@@ -54,10 +55,11 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
                          keepalive_timeout=server.keepalive_timeout)
     try:
         await runner.setup()  # opens the cache: its directories, the index
-    except (SigningKeyError, OSError, sqlite3.Error) as exc:
+    except (SigningKeyError, ProxyError, OSError, sqlite3.Error) as exc:
         with contextlib.suppress(Exception):  # close what started before the failure
             await runner.app.cleanup()
-        if isinstance(exc, SigningKeyError):  # damaged, or the state directory not writable
+        # A damaged signing key, or a store that refuses (e.g. no such bucket).
+        if isinstance(exc, SigningKeyError | ProxyError):
             return fail(f"cannot start: {exc}")
         return fail(describe_start_failure(config.cache.dir, exc))  # e.g. a full disk
     trust_hint = (f"clients must trust the CA {generated_ca} (SSL_CERT_FILE)" if generated_ca
