@@ -64,15 +64,34 @@ def assert_cut_short(answer: RawAnswer, whole: bytes) -> None:
 
 def fail_reads_after(monkeypatch: pytest.MonkeyPatch, cache: Path, good: int) -> None:
     """Reading a cached file fails with EIO once its first `good` bytes went out, whether it
-    is sent by sendfile (plain TCP) or read and written (TLS)."""
+    is sent by sendfile (plain TCP) or read and written (TLS: by positioned reads of its
+    descriptor, or through a file object)."""
     real_sendfile, real_open = os.sendfile, pathlib.Path.open
+    real_pread, real_preadv = os.pread, os.preadv
+
+    def cached(fd: int) -> bool:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(cache))
 
     def sendfile(out_fd: int, in_fd: int, offset: int, count: int) -> int:
-        if not os.readlink(f"/proc/self/fd/{in_fd}").startswith(str(cache)):
+        if not cached(in_fd):
             return real_sendfile(out_fd, in_fd, offset, count)
         if offset >= good:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_sendfile(out_fd, in_fd, offset, min(count, good - offset))
+
+    def pread(fd: int, count: int, offset: int) -> bytes:
+        if not cached(fd):
+            return real_pread(fd, count, offset)
+        if offset >= good:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pread(fd, min(count, good - offset), offset)
+
+    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        if not cached(fd):
+            return real_preadv(fd, buffers, offset, flags)
+        if offset >= good:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, [memoryview(buffers[0])[:good - offset]], offset, flags)
 
     class FailingFile(io.FileIO):
         def readinto(self, buffer: Any) -> int:
@@ -88,6 +107,8 @@ def fail_reads_after(monkeypatch: pytest.MonkeyPatch, cache: Path, good: int) ->
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(os, "sendfile", sendfile)
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(pathlib.Path, "open", open_)
 
 
