@@ -139,6 +139,12 @@ async def slow(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     return await _submit("slow", fn, *args, **kwargs)
 
 
+def slow_started(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[T]:
+    """Start slow(fn, ...) and return its future, to await later: the caller goes on with
+    other work meanwhile. Cancelling the future does not stop a job already running."""
+    return _submit("slow", fn, *args, **kwargs)
+
+
 class Closable(Protocol):
     """What slow_then_close releases: an open file, an open blob."""
 

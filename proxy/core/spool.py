@@ -1,20 +1,28 @@
-"""The streaming hand-off of a fill: readers follow a file while the fill writes it, and
-learn at the end whether it verified (then it was published) or not (then they must abort).
-What a fill publishes (F) is the store's business (see proxy.store.spool)."""
+"""The streaming hand-off of a fill: readers follow a download while the fill writes it to a
+file (its newest bytes straight from memory), and learn at the end whether it verified (then
+it was published) or not (then they must abort). What a fill publishes (F) is the store's
+business (see proxy.store.spool)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-import aiofiles
+from proxy.core.executors import quick, quick_soon
+from proxy.core.file_reads import ChunkReader
 
 F = TypeVar("F")
 
-# Followers of a download read in pieces this large: memory per client stays small.
+# Followers behind what is kept in memory read the file in pieces this large.
 _CHUNK = 256 << 10
+# The newest bytes of a download, kept in memory for the followers of this process: they are
+# sent on from there (no write to disk and read back per follower). A follower that falls
+# further behind reads the file, so memory stays bounded whatever the followers do.
+WINDOW = 4 << 20
 
 
 def _not_readable(_final: object) -> AsyncIterator[bytes]:
@@ -22,30 +30,69 @@ def _not_readable(_final: object) -> AsyncIterator[bytes]:
 
 
 class GrowingFile(Generic[F]):
-    """A download under way: readers follow the temp file as it grows, and learn at the end
-    whether it verified (then it was published as F) or not (then they must abort)."""
+    """A download under way: readers follow it as it grows (its newest bytes from memory,
+    older ones from the temp file), and learn at the end whether it verified (then it was
+    published as F) or not (then they must abort)."""
 
     def __init__(self, temp: Path, size: int | None,
                  opened: Callable[[int], None] = lambda _fd: None,
-                 published: Callable[[F], AsyncIterator[bytes]] = _not_readable) -> None:
+                 published: Callable[[F], AsyncIterator[bytes]] = _not_readable,
+                 window: int = WINDOW) -> None:
         self.temp = temp
         self._opened = opened  # told each reader's file descriptor (the store marks it in use)
         # Reads what the spool became, for a reader that comes after it was published.
         self._published = published
         self.size = size
-        self.written = 0
+        self.received = 0  # bytes the download brought so far: in memory or on disk
+        self.written = 0  # bytes of them on disk
         self.final: F | None = None
         self.error: BaseException | None = None
         self._changed = asyncio.Event()
+        # (offset, bytes) of the newest chunks, oldest first; a chunk leaves only once it is
+        # on disk, so every byte received is in one place or the other.
+        self._recent: deque[tuple[int, bytes]] = deque()
+        self._recent_bytes = 0
+        self._window = window
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def advance(self, count: int) -> None:
-        """More bytes are on disk."""
-        self.written += count
+    def arrived(self, chunk: bytes) -> None:
+        """More bytes came (not yet on disk): readers get them from memory."""
+        if not chunk:
+            return
+        self._recent.append((self.received, chunk))
+        self._recent_bytes += len(chunk)
+        self.received += len(chunk)
+        self._trim()
         self._wake()
+
+    def advance(self, count: int) -> None:
+        """More of the bytes that arrived are on disk."""
+        self.written += count
+        self._trim()
+
+    def _trim(self) -> None:
+        recent = self._recent
+        while self._recent_bytes > self._window and recent:
+            start, chunk = recent[0]
+            if start + len(chunk) > self.written:
+                return  # not on disk yet: kept, or a reader could find it nowhere
+            recent.popleft()
+            self._recent_bytes -= len(chunk)
+
+    def _in_memory(self, offset: int, end: int) -> bytes | memoryview | None:
+        """The bytes from offset (before end) that memory holds in one piece, if it does."""
+        recent = self._recent
+        if not recent or offset < recent[0][0]:
+            return None
+        for start, chunk in reversed(recent):  # readers are mostly near the newest
+            if start <= offset:
+                if offset == start and start + len(chunk) <= end:
+                    return chunk
+                return memoryview(chunk)[offset - start:end - start]
+        return None
 
     def complete(self, final: F) -> None:
         """Verified and published as final."""
@@ -55,6 +102,8 @@ class GrowingFile(Generic[F]):
     def fail(self, error: BaseException) -> None:
         """Not verified: nothing was published."""
         self.error = error
+        self._recent.clear()
+        self._recent_bytes = 0
         self._wake()
 
     @property
@@ -71,34 +120,38 @@ class GrowingFile(Generic[F]):
         assert self.final is not None
         return self.final
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Every byte of the file as it arrives; raises at the end if it did not verify. The
-        last byte is held back until the file verified, so a reader of a bad download never
-        receives a complete body."""
+    async def chunks(self) -> AsyncGenerator[bytes | memoryview, None]:
+        """Every byte of the download as it arrives; raises at the end if it did not verify.
+        The last byte is held back until the file verified, so a reader of a bad download
+        never receives a complete body. A chunk must be sent (or copied) before the next
+        one is asked for."""
         try:
-            handle = await aiofiles.open(self.temp, "rb")
+            fd = await quick(os.open, self.temp, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             # Already published (or removed after a failure): read what it became.
             async for chunk in self._published(await self.wait_done()):
                 yield chunk
             return
-        self._opened(handle.fileno())  # on disk, the same file once published: kept
-        offset = 0
         try:
+            self._opened(fd)  # on disk, the same file once published: kept
+            reader = ChunkReader(fd, _CHUNK)
+            offset = 0
             while True:
                 changed = self._changed
                 if self.error is not None:
                     raise self.error
-                readable = self.written if self.final is not None else self.written - 1
-                if offset < readable:
-                    data = await handle.read(min(_CHUNK, readable - offset))
-                    if not data:
-                        raise OSError("temp file shorter than reported")
-                    offset += len(data)
-                    yield data
+                end = self.received if self.final is not None else self.received - 1
+                if offset < end:
+                    piece = self._in_memory(offset, end)
+                    if piece is None:  # fell behind what memory holds: from the file
+                        piece = await reader.read(offset, min(_CHUNK, end - offset))
+                        if not piece:
+                            raise OSError("temp file shorter than reported")
+                    offset += len(piece)
+                    yield piece
                     continue
                 if self.final is not None:
                     return
                 await changed.wait()
         finally:
-            await handle.close()
+            quick_soon(os.close, fd)

@@ -5,16 +5,15 @@ fails publishes nothing, and its followers learn that before they get the last b
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import aiofiles
-
 from proxy.core.errors import IntegrityError, UpstreamError
-from proxy.core.executors import quick, slow
+from proxy.core.executors import quick, slow, slow_started
 from proxy.core.spool import GrowingFile
 from proxy.store.disk_space import is_out_of_space
 from proxy.store.protocol import BlobInfo, BlobStore
@@ -58,23 +57,33 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     sha256 and that it is a zip, publish it at key, then await `published` (recording what
     vouches for the blob) before the readers get the end of it."""
     temp = progress.temp if progress is not None else store.spool_path()
-    digest = hashlib.sha256()
     size = 0
+    spool: _SpoolWriter | None = None
     try:
-        # Unbuffered: each write is on disk (in the page cache) for followers at once.
-        async with aiofiles.open(temp, "wb", buffering=0) as handle:
-            async for chunk in chunks:
-                digest.update(chunk)
-                size += len(chunk)
-                # An unbuffered write may take only part of the chunk (a disk filling up):
-                # the rest is written, or the next attempt raises.
-                pending = memoryview(chunk)
-                while pending:
-                    pending = pending[await handle.write(pending):]
+        spool = _SpoolWriter(await quick(os.open, temp, _WRITE_FLAGS, 0o666))
+        batch: list[bytes] = []
+        batched = 0
+        async for chunk in chunks:
+            if progress is not None:
+                progress.arrived(chunk)  # followers have it from memory now
+            size += len(chunk)
+            batch.append(chunk)
+            batched += len(chunk)
+            # The next batch starts once the one before is on disk; while it is not, bytes
+            # keep coming (followers get them from memory) up to _AHEAD, then the fill waits.
+            if batched >= _BATCH and (spool.ready() or batched >= _AHEAD):
+                written = await spool.write(batch)
                 if progress is not None:
-                    progress.advance(len(chunk))
-            await slow(os.fsync, handle.fileno())  # flushes a whole package
-        actual = digest.hexdigest()
+                    progress.advance(written)
+                batch, batched = [], 0
+        written = await spool.write(batch)
+        written += await spool.wait()
+        if progress is not None:
+            progress.advance(written)
+        await slow(os.fsync, spool.fd)  # flushes a whole package
+        actual = spool.digest.hexdigest()
+        fd, spool = spool.fd, None
+        await quick(os.close, fd)
         if actual != expected_sha256:
             raise IntegrityError("checksum", f"package sha256 {actual} does not match the "
                                  f"signed checksum {expected_sha256}")
@@ -90,6 +99,9 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
             await published(stored)
     except BaseException as exc:
         # Synchronous on purpose: this also runs when the fill is cancelled.
+        if spool is not None:
+            spool.close()
+            spool = None
         temp.unlink(missing_ok=True)
         error = exc
         if is_out_of_space(exc):
@@ -101,6 +113,76 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
         if error is not exc:
             raise error from exc
         raise
+    finally:
+        if spool is not None:
+            spool.close()
     if progress is not None:
         progress.complete(info)
     return stored
+
+
+# Bytes hashed and written per job on the slow pool, at least: few hops, and hashlib
+# releases the GIL over each chunk, so the loop receives the next ones meanwhile.
+_BATCH = 1 << 20
+# At most this much waits for the disk (and the hash): past it, the fill waits for them.
+_AHEAD = 4 << 20
+_PIECE = 256 << 10  # hashed, then written, while it is in the CPU's cache
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+
+class _SpoolWriter:
+    """Hashes a fill's bytes and appends them to its spool on the slow pool, one batch at a
+    time, while the loop receives the next batch (and hands it to the followers)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.digest = hashlib.sha256()
+        self._pending: asyncio.Future[int] | None = None
+
+    def ready(self) -> bool:
+        """Whether no batch is being written: the next one can start at once."""
+        return self._pending is None or self._pending.done()
+
+    async def write(self, batch: list[bytes]) -> int:
+        """Start on batch once the one before is on disk; returns that one's size."""
+        done = await self.wait()
+        if batch:
+            self._pending = slow_started(_hash_and_write, self.digest, self.fd, batch)
+        return done
+
+    async def wait(self) -> int:
+        """The size of the batch under way, once it is on disk (0 if none is)."""
+        pending = self._pending
+        if pending is None:
+            return 0
+        # Shielded, and kept until it is done: a cancelled fill must not close the file
+        # under a thread still writing to it (see close).
+        written = await asyncio.shield(pending)
+        self._pending = None
+        return written
+
+    def close(self) -> None:
+        """Close the spool now, or once the batch still being written is (on cancellation)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.done():
+            os.close(self.fd)
+        else:
+            pending.add_done_callback(lambda _done: os.close(self.fd))
+
+
+def _hash_and_write(digest: hashlib._Hash, fd: int, batch: list[bytes]) -> int:
+    """Hash the batch and write it (blocking), a piece at a time: each piece is written
+    while hashing just brought it into the CPU's cache (hashing the whole batch first, then
+    writing it, made the copy into the page cache several times dearer)."""
+    total = 0
+    for chunk in batch:
+        view = memoryview(chunk)
+        for start in range(0, len(view), _PIECE):
+            piece = view[start:start + _PIECE]
+            digest.update(piece)
+            while piece:
+                # A write may take only part of it (a disk filling up): the rest is
+                # written, or the next attempt raises.
+                piece = piece[os.write(fd, piece):]
+        total += len(view)
+    return total

@@ -31,7 +31,11 @@ MAX_REDIRECTS = 5
 DOWNLOAD_STALL_SECONDS = 60.0  # a download with no byte for this long fails
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
-_DOWNLOAD_CHUNK = 1 << 20  # fewer, larger writes while a package streams through
+# What a download may hold in memory before it stops reading from upstream: enough for the
+# network to go on while the fill hashes and writes the bytes before (aiohttp's default,
+# 64 KiB, stopped the socket many times per MiB).
+_DOWNLOAD_BUFFER = 1 << 20
+_WRITE_SIZE = 1 << 20  # what a download to a file writes at a time
 USER_AGENT = "tf-registry-proxy/0.1"
 
 
@@ -99,7 +103,8 @@ class UpstreamHTTP:
 
     @asynccontextmanager
     async def _open(self, url: str, origin: str, total: float,
-                    headers: dict[str, str] | None = None, authenticate: bool = False
+                    headers: dict[str, str] | None = None, authenticate: bool = False,
+                    read_bufsize: int | None = None
                     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Follow redirects by hand so every hop is checked (https only, bounded count).
         With `authenticate`, the proxy's token for the origin registry goes along, to the
@@ -120,7 +125,8 @@ class UpstreamHTTP:
                 proxy, proxy_headers = _proxy_for(url)
                 async with self._session.get(url, allow_redirects=False, headers=hop_headers,
                                              proxy=proxy, proxy_headers=proxy_headers,
-                                             timeout=self._timeout(total)) as response:
+                                             timeout=self._timeout(total),
+                                             read_bufsize=read_bufsize) as response:
                     if response.status in _REDIRECTS and "Location" in response.headers:
                         url = _redirect_target(url, response.headers["Location"], origin)
                         continue
@@ -174,7 +180,7 @@ class UpstreamHTTP:
     async def stream(self, url: str, origin: str, max_bytes: int) -> AsyncIterator[Download]:
         """Open a large download; its chunk iterator enforces max_bytes."""
         async with self._open(url, origin, self._config.download_timeout,
-                              {"Accept": "*/*"}) as response:
+                              {"Accept": "*/*"}, read_bufsize=_DOWNLOAD_BUFFER) as response:
             if response.status != 200:
                 raise UpstreamError(f"upstream {origin} answered {response.status} for a "
                                     "package download")
@@ -186,19 +192,28 @@ class UpstreamHTTP:
 
     async def download(self, url: str, origin: str, destination: Path, max_bytes: int) -> int:
         """Stream a file to destination (a temp path of the caller's); returns its size."""
-        size = 0
+        size = written = 0
+        pending: list[bytes] = []  # pieces as they came: one write (a thread hop) per MiB
         async with self.stream(url, origin, max_bytes) as download, \
                 aiofiles.open(destination, "wb") as handle:
             async for chunk in download.chunks:
                 size += len(chunk)
-                await handle.write(chunk)
+                pending.append(chunk)
+                if size - written >= _WRITE_SIZE:
+                    await handle.write(b"".join(pending))
+                    pending.clear()
+                    written = size
+            await handle.write(b"".join(pending))
         return size
 
     async def _chunks(self, response: aiohttp.ClientResponse, origin: str,
                       max_bytes: int) -> AsyncIterator[bytes]:
         seen = 0
         try:
-            async for chunk in response.content.iter_chunked(_DOWNLOAD_CHUNK):
+            # Each piece as it came in (no joining copies); empty at a chunk's end.
+            async for chunk, _end in response.content.iter_chunks():
+                if not chunk:
+                    continue
                 seen += len(chunk)
                 if seen > max_bytes:
                     raise UpstreamError(f"upstream {origin} package exceeds the "

@@ -1,0 +1,198 @@
+"""A fill and the clients that follow it in this process: they get each byte as it arrives,
+from memory while it is recent and from the spool file once they fall behind, never a whole
+body of a download that fails verification; the fill hashes off the event loop, and a
+stalled follower does not make it hold the download in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import threading
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.core.errors import IntegrityError
+from proxy.core.spool import WINDOW, GrowingFile
+from proxy.store.archives import ArchiveStore
+from proxy.store.disk import DiskBlobStore
+from proxy.store.protocol import BlobInfo
+from proxy.store.spool import new_spool, store_package
+from tests.support.held_work import HeldCalls
+
+KEY = "archives/registry.terraform.io/hashicorp/x/1.0.0/p.zip"
+
+
+def package(size: int) -> bytes:
+    """About size bytes of stored (incompressible) zip: what a fill verifies."""
+    import io
+    import zipfile
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("terraform-provider-x_v1.0.0", random.Random(size).randbytes(size))
+    return buffer.getvalue()
+
+
+async def pieces(data: bytes, size: int = 64 << 10) -> AsyncIterator[bytes]:
+    for offset in range(0, len(data), size):
+        yield data[offset:offset + size]
+        await asyncio.sleep(0)
+
+
+def spool_fd(fd: int) -> bool:
+    return os.readlink(f"/proc/self/fd/{fd}").endswith(".part")
+
+
+async def test_followers_get_bytes_before_they_reach_the_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The disk takes nothing until released: a follower still gets every byte but the
+    # last (held back until the download verified) from memory.
+    data = package(3 << 20)
+    held = HeldCalls(os.write, holds=lambda fd, _data: spool_fd(fd))
+    monkeypatch.setattr(os, "write", held)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await new_spool(blobs, len(data))
+    fill = asyncio.create_task(store_package(blobs, KEY, pieces(data),
+                                             hashlib.sha256(data).hexdigest(), spool))
+    chunks = spool.chunks()
+    followed = bytearray()
+    async with asyncio.timeout(20):
+        while len(followed) < len(data) - 1:
+            followed += await chunks.__anext__()
+    assert spool.temp.stat().st_size == 0  # none of it was on disk
+    assert held.started >= 1
+    held.release()
+    followed += b"".join([bytes(chunk) async for chunk in chunks])
+    stored = await fill
+    assert bytes(followed) == data
+    assert blobs.path_of(stored.info.key).read_bytes() == data
+
+
+async def test_a_follower_behind_what_memory_holds_reads_the_spool_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = package(2 << 20)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    temp = blobs.spool_path()
+    temp.touch()
+    spool: GrowingFile[BlobInfo] = GrowingFile(temp, len(data), window=128 << 10)
+    reads = []
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset, flags)
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        reads.append(offset)
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    gate, all_there = asyncio.Event(), asyncio.Event()
+
+    async def held_at_the_end() -> AsyncIterator[bytes]:
+        async for chunk in pieces(data, 16 << 10):
+            yield chunk
+        all_there.set()
+        await gate.wait()  # the download is all there but not yet verified
+
+    fill = asyncio.create_task(store_package(blobs, KEY, held_at_the_end(),
+                                             hashlib.sha256(data).hexdigest(), spool))
+    chunks = spool.chunks()
+    first = bytes(await chunks.__anext__())  # from memory, as the download starts
+    await all_there.wait()
+    assert spool.received == len(data) and not reads
+    behind = bytearray(first)
+    while len(behind) < len(data) - 1:  # the rest, most of it from the file
+        behind += await chunks.__anext__()
+    assert reads and min(reads) == len(first)
+    gate.set()
+    behind += b"".join([bytes(chunk) async for chunk in chunks])
+    await fill
+    assert bytes(behind) == data
+
+
+async def test_a_failed_download_cuts_every_follower_before_its_last_byte(
+        tmp_path: Path) -> None:
+    # One follower keeps up (from memory), one fell far behind (from the file): neither
+    # ever holds the whole body of a download that did not verify.
+    data = package(1 << 20)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    temp = blobs.spool_path()
+    temp.touch()
+    spool: GrowingFile[BlobInfo] = GrowingFile(temp, len(data), window=64 << 10)
+    fill = asyncio.create_task(store_package(blobs, KEY, pieces(data, 8 << 10), "0" * 64,
+                                             spool))
+    keeping_up, lagging = bytearray(), bytearray()
+
+    async def follow(into: bytearray, stall: asyncio.Event | None) -> None:
+        async for chunk in spool.chunks():
+            into += chunk
+            if stall is not None:
+                await stall.wait()
+
+    stall = asyncio.Event()
+    followers = [asyncio.create_task(follow(keeping_up, None)),
+                 asyncio.create_task(follow(lagging, stall))]
+    with pytest.raises(IntegrityError):
+        await fill
+    stall.set()
+    for follower in followers:
+        with pytest.raises(IntegrityError):
+            await follower
+    assert len(keeping_up) == len(data) - 1 and data.startswith(keeping_up)
+    assert len(lagging) < len(data) and data.startswith(lagging)
+    assert not temp.exists()
+
+
+async def test_a_stalled_follower_does_not_make_the_fill_hold_the_download(
+        tmp_path: Path) -> None:
+    data = package(40 << 20)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await new_spool(blobs, len(data))
+    chunks = spool.chunks()
+    tracemalloc.start()
+    try:
+        fill = asyncio.create_task(store_package(blobs, KEY, pieces(data, 256 << 10),
+                                                 hashlib.sha256(data).hexdigest(), spool))
+        first = await chunks.__anext__()  # then it reads nothing until the fill ended
+        await fill
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # What memory holds for followers, plus what waits for the disk: far from all of it.
+    assert peak < WINDOW + (12 << 20), peak
+    rest = b"".join([bytes(chunk) async for chunk in chunks])
+    assert bytes(first) + rest == data
+
+
+async def test_the_fill_hashes_off_the_event_loop(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hashing a package is CPU work over all of it: on the loop it would hold up every
+    # client of the process, chunk after chunk.
+    hashed_on: set[int] = set()
+    real = hashlib.sha256
+
+    class Recorded:
+        def __init__(self, *args: Any) -> None:
+            self._digest = real(*args)
+
+        def update(self, data: Any) -> None:
+            hashed_on.add(threading.get_ident())
+            self._digest.update(data)
+
+        def hexdigest(self) -> str:
+            return self._digest.hexdigest()
+
+    data = package(3 << 20)
+    expected = real(data).hexdigest()
+    monkeypatch.setattr(hashlib, "sha256", Recorded)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    stored = await store_package(blobs, KEY, pieces(data), expected)
+    assert stored.sha256 == expected
+    assert hashed_on and threading.get_ident() not in hashed_on
