@@ -18,7 +18,6 @@ from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.disk import open_disk_storage
 from proxy.store.protocol import StorageOpener
-from proxy.store.s3 import open_s3_storage
 from proxy.tls.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
@@ -51,7 +50,12 @@ log = logging.getLogger(__name__)
 def configured_storage(cache: CacheConfig) -> StorageOpener:
     """How the configured storage opens: the bucket of cache.s3 if one is set, else the
     cache directory."""
-    return open_disk_storage if cache.s3 is None else open_s3_storage
+    if cache.s3 is None:
+        return open_disk_storage
+    # Imported only for a bucket: the S3 client library (botocore) costs every process
+    # about 15 MiB of memory.
+    from proxy.store.s3 import open_s3_storage
+    return open_s3_storage
 
 
 def create_app(config: Config,

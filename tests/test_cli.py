@@ -31,6 +31,23 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
                           text=True, env={**base, **(env or {})}, timeout=timeout)
 
 
+def test_a_proxy_serving_from_a_directory_loads_no_s3_client_library() -> None:
+    # botocore costs every serving process about 15 MiB: only a bucket (cache.s3) and the
+    # air-gap commands need it.
+    code = ("import sys\n"
+            "from proxy.cli import main\n"
+            "from proxy.app import configured_storage, create_app\n"
+            "from proxy.config.settings import CacheConfig\n"
+            "configured_storage(CacheConfig())\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'botocore', 'aiobotocore'}))")
+    inherited = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **inherited},
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_client_config_prints_mirror_and_module_host_blocks(tmp_path: Path) -> None:
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path)}
     result = run_cli("client-config", env=env)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from proxy.cli.airgap import export_command, import_command, warm_command
 from proxy.cli.arguments import build_parser
 from proxy.cli.client_config import render_client_config
 from proxy.cli.healthcheck import healthcheck
@@ -41,12 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tls(config, args.action)
     if args.command == "healthcheck":
         return healthcheck(config)
-    if args.command == "warm":
-        return warm_command(config, args)
-    if args.command == "export":
-        return export_command(config, args)
-    if args.command == "import":
-        return import_command(config, args)
+    if args.command in ("warm", "export", "import"):
+        # Imported for these commands only: with the bundle code comes the S3 client
+        # library (botocore), about 15 MiB of memory a serving process need not carry.
+        from proxy.cli import airgap
+        command = {"warm": airgap.warm_command, "export": airgap.export_command,
+                   "import": airgap.import_command}[args.command]
+        return command(config, args)
     if args.command == "prune":
         return prune_command(config, args)
     return serve(config)
