@@ -22,32 +22,21 @@ import trustme
 
 from bench.measure import load_average
 from bench.report import idle_line
+from bench.servers import proxy_config
+from bench.upstream import HOST
 from tests.support.fake_registry import FakeRegistry
 from tests.support.gpg import generate_key, stop_agent
 from tests.support.proxy_process import ProxyProcess
 from tests.support.s3_replicas import fetch, lease_holder, s3_env, s3_replicas, s3_table
 from tests.support.seaweedfs import S3Server, WeedMini
 
-HOST = "registry.terraform.io"
 LEASE_SECONDS = 5.0
 
 
 def _config(registry: FakeRegistry, ca_file: Path, state: Path, server: S3Server,
             bucket: str) -> Callable[[Path, int], str]:
     def write(cache: Path, port: int) -> str:
-        return f"""
-[server]
-listen = "127.0.0.1:{port}"
-access_log = "off"
-state_dir = "{state}"
-[cache]
-dir = "{cache}"
-[upstream]
-ca_bundle = "{ca_file}"
-[upstream.hosts."{HOST}".services]
-"providers.v1" = "{registry.providers_url}"
-"modules.v1" = "{registry.url}/v1/modules/"
-""" + s3_table(server, bucket)
+        return proxy_config(port, state, cache, registry, ca_file) + s3_table(server, bucket)
     return write
 
 

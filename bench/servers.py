@@ -18,6 +18,7 @@ from bench.measure import fetch
 from bench.upstream import HOST, Upstream
 from proxy.config import ServerConfig
 from proxy.tls.certificates import ServingCertificate, ensure_certificate
+from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "floor.py"
@@ -68,13 +69,10 @@ class Server:
         return fetch(self.ca, self.url(path))
 
 
-@contextmanager
-def proxy(work: Path, upstream: Upstream, state_dir: Path, cache: Path,
-          workers: int | str) -> Iterator[Server]:
-    """A proxy process on cache with `workers` processes (a number or "auto")."""
-    port = free_port()
-    config = work / f"proxy-{port}.toml"
-    config.write_text(f"""
+def proxy_config(port: int, state_dir: Path, cache: Path, registry: FakeRegistry,
+                 ca_file: Path, workers: int | str = 1) -> str:
+    """A proxy's configuration file: the fake registry as registry.terraform.io."""
+    return f"""
 [server]
 listen = "127.0.0.1:{port}"
 access_log = "off"
@@ -83,11 +81,21 @@ workers = "{workers}"
 [cache]
 dir = "{cache}"
 [upstream]
-ca_bundle = "{upstream.ca_file}"
+ca_bundle = "{ca_file}"
 [upstream.hosts."{HOST}".services]
-"providers.v1" = "{upstream.registry.providers_url}"
-"modules.v1" = "{upstream.registry.url}/v1/modules/"
-""")
+"providers.v1" = "{registry.providers_url}"
+"modules.v1" = "{registry.url}/v1/modules/"
+"""
+
+
+@contextmanager
+def proxy(work: Path, upstream: Upstream, state_dir: Path, cache: Path,
+          workers: int | str) -> Iterator[Server]:
+    """A proxy process on cache with `workers` processes (a number or "auto")."""
+    port = free_port()
+    config = work / f"proxy-{port}.toml"
+    config.write_text(proxy_config(port, state_dir, cache, upstream.registry, upstream.ca_file,
+                                   workers))
     # ProxyProcess pins one worker through the environment (as tests want): say ours there.
     # The proxy measured is this checkout's, whatever the current directory.
     path = os.pathsep.join(filter(None, (str(CHECKOUT), os.environ.get("PYTHONPATH"))))
