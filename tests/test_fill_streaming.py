@@ -61,21 +61,24 @@ async def test_followers_get_bytes_before_they_reach_the_disk(
                                              hashlib.sha256(data).hexdigest(), spool))
     chunks = spool.chunks()
     followed = bytearray()
-    async with asyncio.timeout(20):
-        while len(followed) < len(data) - 1:
-            followed += await chunks.__anext__()
-    assert spool.temp.stat().st_size == 0  # none of it was on disk
-    assert held.started >= 1
-    held.release()
+    try:
+        async with asyncio.timeout(20):
+            while len(followed) < len(data) - 1:
+                followed += await chunks.__anext__()
+        assert spool.temp.stat().st_size == 0  # none of it was on disk
+    finally:
+        held.release()
     followed += b"".join([bytes(chunk) async for chunk in chunks])
     stored = await fill
+    assert held.started >= 1  # the spool was written through the held calls
     assert bytes(followed) == data
     assert blobs.path_of(stored.info.key).read_bytes() == data
 
 
 async def test_a_follower_behind_what_memory_holds_reads_the_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = package(2 << 20)
+    # More than the fill lets wait for the disk: most of it is on disk at the end.
+    data = package(6 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     temp = blobs.spool_path()
     temp.touch()
@@ -152,7 +155,7 @@ async def test_a_failed_download_cuts_every_follower_before_its_last_byte(
 
 async def test_a_stalled_follower_does_not_make_the_fill_hold_the_download(
         tmp_path: Path) -> None:
-    data = package(40 << 20)
+    data = package(64 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     spool = await new_spool(blobs, len(data))
     chunks = spool.chunks()
@@ -165,8 +168,9 @@ async def test_a_stalled_follower_does_not_make_the_fill_hold_the_download(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    # What memory holds for followers, plus what waits for the disk: far from all of it.
-    assert peak < WINDOW + (12 << 20), peak
+    # What memory holds for followers (the window, and what waits for the disk, 8 MiB at
+    # most): far from all of it.
+    assert peak < WINDOW + (20 << 20), peak
     rest = b"".join([bytes(chunk) async for chunk in chunks])
     assert bytes(first) + rest == data
 

@@ -69,9 +69,13 @@ class GrowingFile(Generic[F]):
         self._wake()
 
     def advance(self, count: int) -> None:
-        """More of the bytes that arrived are on disk."""
+        """More bytes are on disk (of those that arrived, or new ones: then readers take
+        them from the file)."""
         self.written += count
         self._trim()
+        if self.written > self.received:
+            self.received = self.written
+            self._wake()
 
     def _trim(self) -> None:
         recent = self._recent

@@ -60,7 +60,8 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     size = 0
     spool: _SpoolWriter | None = None
     try:
-        spool = _SpoolWriter(await quick(os.open, temp, _WRITE_FLAGS, 0o666))
+        spool = _SpoolWriter(await quick(os.open, temp, _WRITE_FLAGS, 0o666),
+                             progress.advance if progress is not None else _ignore)
         batch: list[bytes] = []
         batched = 0
         async for chunk in chunks:
@@ -72,14 +73,10 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
             # The next batch starts once the one before is on disk; while it is not, bytes
             # keep coming (followers get them from memory) up to _AHEAD, then the fill waits.
             if batched >= _BATCH and (spool.ready() or batched >= _AHEAD):
-                written = await spool.write(batch)
-                if progress is not None:
-                    progress.advance(written)
+                await spool.write(batch)
                 batch, batched = [], 0
-        written = await spool.write(batch)
-        written += await spool.wait()
-        if progress is not None:
-            progress.advance(written)
+        await spool.write(batch)
+        await spool.wait()
         await slow(os.fsync, spool.fd)  # flushes a whole package
         actual = spool.digest.hexdigest()
         fd, spool = spool.fd, None
@@ -132,34 +129,39 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 class _SpoolWriter:
     """Hashes a fill's bytes and appends them to its spool on the slow pool, one batch at a
-    time, while the loop receives the next batch (and hands it to the followers)."""
+    time, while the loop receives the next batch (and hands it to the followers); tells
+    on_disk the size of each batch once it is written."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, on_disk: Callable[[int], None]) -> None:
         self.fd = fd
         self.digest = hashlib.sha256()
+        self._on_disk = on_disk
         self._pending: asyncio.Future[int] | None = None
 
     def ready(self) -> bool:
         """Whether no batch is being written: the next one can start at once."""
         return self._pending is None or self._pending.done()
 
-    async def write(self, batch: list[bytes]) -> int:
-        """Start on batch once the one before is on disk; returns that one's size."""
-        done = await self.wait()
+    async def write(self, batch: list[bytes]) -> None:
+        """Start on batch once the one before is on disk."""
+        await self.wait()
         if batch:
             self._pending = slow_started(_hash_and_write, self.digest, self.fd, batch)
-        return done
+            self._pending.add_done_callback(self._written)
 
-    async def wait(self) -> int:
-        """The size of the batch under way, once it is on disk (0 if none is)."""
+    def _written(self, done: asyncio.Future[int]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self._on_disk(done.result())
+
+    async def wait(self) -> None:
+        """Return once the batch under way (if any) is on disk; raise what writing it did."""
         pending = self._pending
         if pending is None:
-            return 0
+            return
         # Shielded, and kept until it is done: a cancelled fill must not close the file
         # under a thread still writing to it (see close).
-        written = await asyncio.shield(pending)
+        await asyncio.shield(pending)
         self._pending = None
-        return written
 
     def close(self) -> None:
         """Close the spool now, or once the batch still being written is (on cancellation)."""
@@ -168,6 +170,10 @@ class _SpoolWriter:
             os.close(self.fd)
         else:
             pending.add_done_callback(lambda _done: os.close(self.fd))
+
+
+def _ignore(_count: int) -> None:
+    pass
 
 
 def _hash_and_write(digest: hashlib._Hash, fd: int, batch: list[bytes]) -> int:
