@@ -121,8 +121,10 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
 # Bytes hashed and written per job on the slow pool, at least: few hops, and hashlib
 # releases the GIL over each chunk, so the loop receives the next ones meanwhile.
 _BATCH = 1 << 20
-# At most this much waits for the disk (and the hash): past it, the fill waits for them.
-_AHEAD = 4 << 20
+# At most this much waits for the disk (and the hash) while a batch is written: past it, the
+# fill waits for them. More kept peak memory up (20 clients on a 1 GiB fill: 4 MiB here cost
+# 12 MiB of RSS) for no measurable speed.
+_AHEAD = 2 << 20
 _PIECE = 256 << 10  # hashed, then written, while it is in the CPU's cache
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 

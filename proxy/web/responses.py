@@ -285,10 +285,12 @@ class _OpenFileResponse(web.FileResponse, _JsonErrors):
             chunk = await reader.read(offset, min(reader.chunk_size, count))
             if not chunk:  # cut short: the headers promised more, so this cannot end well
                 raise OSError(f"{self._path.name} ended {count} bytes early")
+            size = len(chunk)
             await writer.write(chunk)
-            offset += len(chunk)
-            count -= len(chunk)
-            await turns.sent(len(chunk))
+            del chunk  # taken by the transport: its buffer can hold the next one
+            offset += size
+            count -= size
+            await turns.sent(size)
         await writer.drain()
         return writer
 
