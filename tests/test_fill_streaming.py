@@ -201,3 +201,26 @@ async def test_the_fill_hashes_off_the_event_loop(tmp_path: Path,
     stored = await store_package(blobs, KEY, pieces(data), expected)
     assert stored.sha256 == expected
     assert hashed_on and threading.get_ident() not in hashed_on
+
+
+async def test_a_follower_that_needs_the_file_once_it_was_published_reads_what_it_became(
+        tmp_path: Path) -> None:
+    # Its first bytes came from memory; the rest left memory, and the spool was renamed
+    # into place before this follower opened it.
+    whole = bytes(range(20))
+
+    async def published(final: bytes) -> AsyncIterator[bytes]:
+        yield final[:7]
+        yield final[7:]
+
+    spool: GrowingFile[bytes] = GrowingFile(tmp_path / "gone.part", len(whole),
+                                            published=published, window=10)
+    chunks = spool.chunks()
+    spool.arrived(whole[:10])
+    first = bytes(await chunks.__anext__())
+    assert first == whole[:9]  # the last byte so far is held back
+    spool.arrived(whole[10:])
+    spool.advance(20)
+    spool.complete(whole)
+    rest = b"".join([bytes(chunk) async for chunk in chunks])
+    assert first + rest == whole

@@ -127,6 +127,11 @@ async def quick(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     return await _submit("quick", fn, *args, **kwargs)
 
 
+def quick_started(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[T]:
+    """Start quick(fn, ...) and return its future, to await later (or not at all)."""
+    return _submit("quick", fn, *args, **kwargs)
+
+
 def quick_soon(fn: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
     """Start a short blocking call off the event loop without waiting for it; fn handles its
     own errors."""

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from proxy.core.executors import quick, quick_soon
+from proxy.core.executors import quick_soon, quick_started
 from proxy.core.file_reads import ChunkReader
 
 F = TypeVar("F")
@@ -129,17 +129,12 @@ class GrowingFile(Generic[F]):
         The last byte is held back until the file verified, so a reader of a bad download
         never receives a complete body. A chunk must be sent (or copied) before the next
         one is asked for."""
+        # The file is opened meanwhile, for when this reader falls behind what memory holds:
+        # the first bytes do not wait for it.
+        opening = quick_started(os.open, self.temp, os.O_RDONLY | os.O_CLOEXEC)
+        reader: ChunkReader | None = None
+        offset = 0
         try:
-            fd = await quick(os.open, self.temp, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            # Already published (or removed after a failure): read what it became.
-            async for chunk in self._published(await self.wait_done()):
-                yield chunk
-            return
-        try:
-            self._opened(fd)  # on disk, the same file once published: kept
-            reader = ChunkReader(fd, _CHUNK)
-            offset = 0
             while True:
                 changed = self._changed
                 if self.error is not None:
@@ -148,6 +143,17 @@ class GrowingFile(Generic[F]):
                 if offset < end:
                     piece = self._in_memory(offset, end)
                     if piece is None:  # fell behind what memory holds: from the file
+                        if reader is None:
+                            try:
+                                fd = await asyncio.shield(opening)
+                            except FileNotFoundError:
+                                # Published (or removed after a failure) before it could be
+                                # opened: read what it became.
+                                async for chunk in self._published_from(offset):
+                                    yield chunk
+                                return
+                            self._opened(fd)  # on disk, the same file once published: kept
+                            reader = ChunkReader(fd, _CHUNK)
                         piece = await reader.read(offset, min(_CHUNK, end - offset))
                         if not piece:
                             raise OSError("temp file shorter than reported")
@@ -158,4 +164,19 @@ class GrowingFile(Generic[F]):
                     return
                 await changed.wait()
         finally:
-            quick_soon(os.close, fd)
+            opening.add_done_callback(_close_opened)
+
+    async def _published_from(self, offset: int) -> AsyncIterator[bytes | memoryview]:
+        """What the spool became, from offset on."""
+        async for chunk in self._published(await self.wait_done()):
+            if offset >= len(chunk):
+                offset -= len(chunk)
+                continue
+            yield memoryview(chunk)[offset:] if offset else chunk
+            offset = 0
+
+
+def _close_opened(opening: asyncio.Future[int]) -> None:
+    """Close what a reader opened (off the loop), once it is open."""
+    if not opening.cancelled() and opening.exception() is None:
+        quick_soon(os.close, opening.result())
