@@ -22,7 +22,7 @@ from tests.support.raw_http import served
 
 BASE = "/mirror/registry.terraform.io/hashicorp/chunky"
 ZIP = "terraform-provider-chunky_1.0.0_linux_amd64.zip"
-CHUNK = 256 << 10  # what responses.py reads at a time
+CHUNK = 64 << 10  # what responses.py reads at a time
 
 
 @pytest.fixture

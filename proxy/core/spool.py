@@ -17,8 +17,9 @@ from proxy.core.file_reads import ChunkReader
 
 F = TypeVar("F")
 
-# Followers behind what is kept in memory read the file in pieces this large.
-_CHUNK = 256 << 10
+# Followers behind what is kept in memory read the file in pieces this large (as a cached
+# file is sent: see proxy.web.responses).
+_CHUNK = 64 << 10
 # The newest bytes of a download, kept in memory for the followers of this process: they are
 # sent on from there (no write to disk and read back per follower). A follower that falls
 # further behind reads the file, so memory stays bounded whatever the followers do.
