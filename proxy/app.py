@@ -109,7 +109,10 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     fills = PackageFills(packages, stored, archives, config.upstream, metrics)
     opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
     mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics)
-    app[REGISTRY_KEY] = ProviderRegistryService(packages, stored)
+    opened.push_async_callback(mirror.close)
+    registry = ProviderRegistryService(packages, stored, config.upstream)
+    opened.push_async_callback(registry.close)
+    app[REGISTRY_KEY] = registry
     git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
     git_gate = EgressGate(egress, config.upstream.connect_timeout)
     opened.push_async_callback(git_gate.close)
