@@ -20,32 +20,23 @@ from pathlib import Path
 
 import trustme
 
+from bench.measure import load_average
+from bench.report import idle_line
+from bench.servers import proxy_config
+from bench.upstream import HOST
 from tests.support.fake_registry import FakeRegistry
 from tests.support.gpg import generate_key, stop_agent
 from tests.support.proxy_process import ProxyProcess
 from tests.support.s3_replicas import fetch, lease_holder, s3_env, s3_replicas, s3_table
 from tests.support.seaweedfs import S3Server, WeedMini
 
-HOST = "registry.terraform.io"
 LEASE_SECONDS = 5.0
 
 
 def _config(registry: FakeRegistry, ca_file: Path, state: Path, server: S3Server,
             bucket: str) -> Callable[[Path, int], str]:
     def write(cache: Path, port: int) -> str:
-        return f"""
-[server]
-listen = "127.0.0.1:{port}"
-access_log = "off"
-state_dir = "{state}"
-[cache]
-dir = "{cache}"
-[upstream]
-ca_bundle = "{ca_file}"
-[upstream.hosts."{HOST}".services]
-"providers.v1" = "{registry.providers_url}"
-"modules.v1" = "{registry.url}/v1/modules/"
-""" + s3_table(server, bucket)
+        return proxy_config(port, state, cache, registry, ca_file) + s3_table(server, bucket)
     return write
 
 
@@ -59,6 +50,7 @@ def _timed(proxy: ProxyProcess, path: str) -> float:
 
 def run(quick: bool, runs: int, big_zip: Callable[[int, str], bytes]) -> str:
     """The replicas figures, as a Markdown section."""
+    load = load_average()  # before the bench itself loads the machine
     size = (8 if quick else 64) << 20
     work = Path(tempfile.mkdtemp(prefix="tfproxy-bench-replicas-"))
     ca = trustme.CA()
@@ -120,7 +112,7 @@ def run(quick: bool, runs: int, big_zip: Callable[[int, str], bytes]) -> str:
         registry.stop()
         stop_agent(signer)
         stop_agent(impostor)
-    return _section(quick, size, runs, downloads, cold_mbs, warm_mbs, takeovers)
+    return _section(quick, size, runs, load, downloads, cold_mbs, warm_mbs, takeovers)
 
 
 def _takeover(registry: FakeRegistry, server: S3Server, bucket: str,
@@ -157,8 +149,9 @@ def _answered_at(result: Callable[[], tuple[int, bytes]]) -> float:
     return time.monotonic()
 
 
-def _section(quick: bool, size: int, runs: int, downloads: list[float],
-             cold: list[float], warm: list[float], takeovers: list[float]) -> str:
+def _section(quick: bool, size: int, runs: int, load: tuple[float, float, float],
+             downloads: list[float], cold: list[float], warm: list[float],
+             takeovers: list[float]) -> str:
     def span(values: list[float], fmt: str) -> str:
         return (f"{fmt.format(statistics.median(values))} (min {fmt.format(min(values))}, "
                 f"max {fmt.format(max(values))})")
@@ -166,10 +159,12 @@ def _section(quick: bool, size: int, runs: int, downloads: list[float],
         "## Replicas on S3",
         "",
         f"{time.strftime('%Y-%m-%d')}, {platform.node()} ({platform.machine()}, "
-        f"{os.cpu_count() or 1} cores; shared with other work while it ran). Three proxy "
+        f"{os.cpu_count() or 1} cores). Three proxy "
         f"processes on one SeaweedFS bucket (`weed mini` on loopback), each with an empty "
         f"cache.dir; a {size >> 20} MiB package; {runs} run(s){' (--quick)' if quick else ''}; "
         f"cache.lease_seconds = {LEASE_SECONDS:g}.",
+        "",
+        f"The machine was {idle_line(load)}",
         "",
         "| figure | median (min, max) |",
         "| --- | --- |",

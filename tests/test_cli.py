@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from proxy.cli.client_config import render_client_config
 from proxy.config import load_config
 from proxy.tls.certificates import TlsStateError, ensure_certificate
+from tests.support.process_output import wait_for_line
 from tests.support.proxy_process import free_port
 
 
@@ -101,10 +102,12 @@ def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> 
                     break
                 time.sleep(0.1)
         assert status == 200
+        # One worker announces the CA, and another may answer /healthz before it has.
+        announced = wait_for_line(process, f"SSL_CERT_FILE={ca}", timeout=15)
     finally:
         process.terminate()
-        output, _ = process.communicate(timeout=10)
-    assert f"SSL_CERT_FILE={ca}" in output
+        process.communicate(timeout=10)
+    assert announced
     assert process.returncode == 0
 
 

@@ -1,0 +1,133 @@
+"""The archive figures: warm throughput and server CPU per GB against nginx, a cold miss
+against a direct download, 100 concurrent cold GETs against nginx warm, and peak RSS."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from bench.figures import Figure, Target
+from bench.measure import (
+    CpuMeter,
+    Transfer,
+    concurrent_downloads,
+    download,
+    peak_rss_mib,
+    process_tree,
+    throughput,
+)
+from bench.servers import Server
+from bench.session import Session, in_turn, progress
+from bench.upstream import BIG, HUGE
+
+HERD = 100
+RSS_CLIENTS = 20
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
+def archive(session: Session) -> tuple[list[Figure], list[str]]:
+    """Warm zip throughput with 1 and 8 clients, and server CPU per GB with 8, vs nginx; both
+    with the default workers."""
+    settings = session.settings
+    name = _mib(session.upstream.sizes[BIG])
+    proxy = session.warm_proxy(settings.workers)
+    download(proxy.ca, proxy.url(BIG.document))  # as Terraform: the document first
+    download(proxy.ca, proxy.url(BIG.archive()))  # the fill: warm from now on
+    session.publish(BIG)
+    nginx = session.nginx()
+    single = Figure("archive", f"warm {name} zip, 1 client: throughput", "MB/s", "nginx")
+    eight = Figure("archive", f"warm {name} zip, 8 clients: throughput", "MB/s", "nginx",
+                   Target("ratio", ">=", 0.85))
+    cpu = Figure("archive", f"warm {name} zip, 8 clients: server CPU per GB served", "s/GB",
+                 "nginx", Target("ratio", "<=", 1.3))
+    for run in range(settings.runs):
+        progress(f"archive, run {run + 1}: 1 client")
+        ours, theirs = in_turn(run, partial(_throughput, session, proxy, 1),
+                               partial(_throughput, session, nginx, 1))
+        single.add(ours[0].mb_per_second, theirs[0].mb_per_second)
+        progress(f"archive, run {run + 1}: 8 clients")
+        ours, theirs = in_turn(run, partial(_throughput, session, proxy, 8),
+                               partial(_throughput, session, nginx, 8))
+        eight.add(ours[0].mb_per_second, theirs[0].mb_per_second)
+        cpu.add(ours[1] / (ours[0].size / 1e9), theirs[1] / (theirs[0].size / 1e9))
+    return [single, eight, cpu], []
+
+
+def _throughput(session: Session, server: Server, clients: int) -> tuple[Transfer, float]:
+    """The transfer, and the CPU seconds the server's processes spent on it."""
+    meter = CpuMeter(server.pid)
+    transfer = throughput(server.ca, server.url(BIG.archive()), clients,
+                          session.settings.rounds)
+    return transfer, meter.seconds()
+
+
+def cold(session: Session) -> tuple[list[Figure], list[str]]:
+    """A cold miss of the big zip (documents already fetched, as Terraform does): first byte
+    and whole download, against the same download straight from upstream."""
+    settings = session.settings
+    name = _mib(session.upstream.sizes[BIG])
+    first = Figure("cold", f"cold {name} zip: time to first byte", "ms", "direct",
+                   Target("ratio", "<=", 1.5))
+    whole = Figure("cold", f"cold {name} zip: whole download", "s", "direct",
+                   Target("ratio", "<=", 1.5))
+    upstream = session.upstream
+    for run in range(settings.runs):
+        progress(f"cold, run {run + 1}")
+        with session.fresh_cache(f"cold-{run}") as cache, \
+                session.proxy(cache, settings.workers) as proxy:
+            proxy.get(BIG.index)
+            proxy.get(BIG.document)
+            ours, direct = in_turn(
+                run, partial(download, proxy.ca, proxy.url(BIG.archive())),
+                partial(download, upstream.ca_file, upstream.url(BIG.upstream_archive())))
+        first.add(ours.first_byte * 1000, direct.first_byte * 1000)
+        whole.add(ours.total, direct.total)
+    return [first, whole], []
+
+
+def herd(session: Session) -> tuple[list[Figure], list[str]]:
+    """100 concurrent cold GETs of the big zip: upstream downloads, and seconds until the
+    last client is done against the same 100 GETs served warm by nginx."""
+    settings = session.settings
+    name = _mib(session.upstream.sizes[BIG])
+    session.publish(BIG)
+    nginx = session.nginx()
+    fetches = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: upstream "
+                     "downloads", "", "", Target("proxy", "==", 1))
+    last = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: last client done "
+                  "(nginx: warm)", "s", "nginx", Target("ratio", "<=", 1.2))
+    for run in range(settings.runs):
+        progress(f"herd, run {run + 1}")
+        with session.fresh_cache(f"herd-{run}") as cache, \
+                session.proxy(cache, settings.workers) as proxy:
+            proxy.get(BIG.document)
+            before = session.upstream.downloads_of(BIG)
+            ours, theirs = in_turn(
+                run, partial(concurrent_downloads, proxy.ca, proxy.url(BIG.archive()), HERD),
+                partial(concurrent_downloads, nginx.ca, nginx.url(BIG.archive()), HERD))
+            fetches.add(session.upstream.downloads_of(BIG) - before)
+        last.add(ours, theirs)
+    return [fetches, last], []
+
+
+def rss(session: Session) -> tuple[list[Figure], list[str]]:
+    """Peak RSS (VmHWM) of a one-worker proxy while 20 clients download the huge zip: cold
+    (the first client's GET fills, the others follow the fill), then warm (a new process on
+    the same cache)."""
+    settings = session.settings
+    name = _mib(session.upstream.sizes[HUGE])
+    cold_rss = Figure("rss", f"peak RSS, {RSS_CLIENTS} clients on a {name} zip, cold", "MiB",
+                      target=Target("proxy", "<=", 100))
+    warm_rss = Figure("rss", f"peak RSS, {RSS_CLIENTS} clients on a {name} zip, warm", "MiB",
+                      target=Target("proxy", "<=", 100))
+    for run in range(settings.runs):
+        with session.fresh_cache(f"rss-{run}") as cache:
+            for figure, state in ((cold_rss, "cold"), (warm_rss, "warm")):
+                progress(f"rss, run {run + 1}: {state}")
+                with session.proxy(cache, 1) as proxy:
+                    proxy.get(HUGE.document)
+                    concurrent_downloads(proxy.ca, proxy.url(HUGE.archive()), RSS_CLIENTS)
+                    figure.add(peak_rss_mib(process_tree(proxy.pid)))
+    return [cold_rss, warm_rss], []
