@@ -80,20 +80,20 @@ class ProviderMirror:
 
     # --- protocol operations -------------------------------------------------------------
 
+    async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
+        """`index.json` as sent: serialized once per version list read (online), or per look
+        at what the store holds (offline: it follows what is stored, not only the list)."""
+        self._packages.require_served(provider)
+        return await self._indexes.get(
+            str(provider), lambda: self._packages.version_list(provider),
+            lambda entries: self._index(provider, entries))
+
     async def _index(self, provider: ProviderAddress,
                      entries: list[VersionEntry]) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists (offline: held)."""
         entries = await self._stored.held_when_offline(provider, entries)
         ordered = sorted((e.version for e in entries), key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
-
-    async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
-        """`index.json` as sent: serialized once per version list read (online), or per look
-        at what the store holds (offline: it follows what is stored, not only the list)."""
-        self._packages.require_served(provider)
-        return await self._indexes.get(str(provider),
-                                       lambda: self._packages.version_list(provider),
-                                       lambda entries: self._index(provider, entries))
 
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:
         """The body of `VERSION.json` (not to be modified; the same object while it is held):

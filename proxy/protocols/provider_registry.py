@@ -65,10 +65,9 @@ class ProviderRegistryService:
         """`versions` as sent: serialized once per version list read (online), or per look
         at what the store holds (offline)."""
         self._packages.require_served(provider)
-        return await self._versions.get(str(provider),
-                                        lambda: self._packages.version_list(provider),
-                                        lambda entries: self._versions_document(provider,
-                                                                                entries))
+        return await self._versions.get(
+            str(provider), lambda: self._packages.version_list(provider),
+            lambda entries: self._versions_document(provider, entries))
 
     async def download_document(self, provider: ProviderAddress, version: str,
                                 platform: Platform) -> DownloadFacts:
