@@ -66,13 +66,14 @@ def create_app(config: Config,
     if open_storage is None:
         open_storage = configured_storage(config.cache)
     metrics = Metrics()
-    app = web.Application(middlewares=[error_middleware(metrics), auth_middleware(config.auth)])
+    middlewares = [error_middleware(metrics)]
+    if config.auth.enabled:  # else not a step of every request
+        middlewares.append(auth_middleware(config.auth))
+    app = web.Application(middlewares=middlewares)
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
     add_routes(app)
-    app.on_response_prepare.append(_server_header)
-    app.on_response_prepare.append(json_error_bodies)
-    app.on_response_prepare.append(remember_prepared)
+    app.on_response_prepare.append(_prepared)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         # Each resource is closed by the stack as soon as it exists: a start that fails
@@ -113,7 +114,10 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     fills = PackageFills(packages, stored, archives, config.upstream, metrics)
     opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
     mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics)
-    app[REGISTRY_KEY] = ProviderRegistryService(packages, stored)
+    opened.push_async_callback(mirror.close)
+    registry = ProviderRegistryService(packages, stored, config.upstream)
+    opened.push_async_callback(registry.close)
+    app[REGISTRY_KEY] = registry
     git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
     git_gate = EgressGate(egress, config.upstream.connect_timeout)
     opened.push_async_callback(git_gate.close)
@@ -131,5 +135,10 @@ async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _server_header(_request: web.Request, response: web.StreamResponse) -> None:
+async def _prepared(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare, as one hook (it runs for every response): our Server header, the
+    JSON shape of errors aiohttp makes itself, the note that headers are committed."""
     response.headers["Server"] = SERVER_NAME
+    if response.status >= 400:
+        await json_error_bodies(request, response)
+    await remember_prepared(request, response)

@@ -47,12 +47,16 @@ class Filters:
 
     def provider_allowed(self, provider: ProviderAddress) -> bool:
         """Whether this provider is served at all."""
+        if not self._config.providers and not self._config.exclude_providers:
+            return True  # no filters (the common case, checked on every request)
         short = f"{provider.namespace}/{provider.type}"
         return _allowed([short, f"{provider.hostname}/{short}"], self._config.providers,
                         self._config.exclude_providers)
 
     def module_allowed(self, module: ModuleAddress) -> bool:
         """Whether this module is served at all."""
+        if not self._config.modules and not self._config.exclude_modules:
+            return True
         return _allowed([module.path, str(module)], self._config.modules,
                         self._config.exclude_modules)
 

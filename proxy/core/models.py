@@ -141,11 +141,7 @@ class ProviderAddress:
     @classmethod
     def parse(cls, hostname: str, namespace: str, type_: str) -> ProviderAddress:
         """Normalize and validate the three parts."""
-        return cls(
-            normalize_hostname(hostname),
-            parse_provider_part(namespace, "namespace"),
-            parse_provider_part(type_, "type"),
-        )
+        return _provider_address(hostname, namespace, type_)
 
     def __str__(self) -> str:
         return f"{self.hostname}/{self.namespace}/{self.type}"
@@ -178,6 +174,13 @@ def parse_module_version(text: str) -> str:
     if not is_valid_module_version(text):
         raise BadRequest(f"invalid module version {text[:80]!r}")
     return text
+
+
+@functools.lru_cache(maxsize=4096)  # per request on every provider route
+def _provider_address(hostname: str, namespace: str, type_: str) -> ProviderAddress:
+    return ProviderAddress(normalize_hostname(hostname),
+                           parse_provider_part(namespace, "namespace"),
+                           parse_provider_part(type_, "type"))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The module registry protocol, served from module archives the proxy fetched and repacked.
 
 https://developer.hashicorp.com/terraform/internals/module-registry-protocol
-Operations: list_versions, download (answered from the version list alone, at once: clients
+Operations: list_versions_body, download (answered from the version list alone, at once: clients
 give it 10 s), archive (fetch the source on a miss: https archive or git clone, apply the
 subdirectory, repack as .tar.gz, store; the slow part, on a request clients do not time out).
 Clients never see upstream's location. Each archive's sha256 is recorded when it is packed:
@@ -15,12 +15,13 @@ import logging
 import shutil
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.errors import NotFound, Offline, ProxyError
 from proxy.core.executors import quick, slow
+from proxy.core.held import Derived
+from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress
 from proxy.core.redaction import mask_secrets
@@ -47,6 +48,7 @@ from proxy.verification.stored_hashes import (
 )
 
 log = logging.getLogger(__name__)
+_HELD_BODIES = 4096
 
 
 class ModuleRegistry:
@@ -68,6 +70,8 @@ class ModuleRegistry:
         self._archive_fills: SingleFlight[BlobInfo] = SingleFlight(exclusive=self._fill_scope)
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
         self._checked = CheckedFiles(archives)
+        # `versions` as sent, for the version list object it was built from.
+        self._version_bodies: Derived[JsonBody] = Derived(_HELD_BODIES)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
@@ -77,11 +81,16 @@ class ModuleRegistry:
 
     # --- protocol operations -------------------------------------------------------------
 
-    async def list_versions(self, module: ModuleAddress) -> dict[str, Any]:
-        """The body of `versions`: `{"modules": [{"versions": [{"version": ...}]}]}`."""
+    async def list_versions_body(self, module: ModuleAddress) -> JsonBody:
+        """`versions` as sent, `{"modules": [{"versions": [{"version": ...}]}]}`: serialized
+        once per version list read."""
         self._filters.require_module(module)
         versions = await self._versions(module)
-        return {"modules": [{"versions": [{"version": v} for v in versions]}]}
+        held = self._version_bodies.get(str(module), versions)
+        if held is not None:
+            return held
+        return self._version_bodies.put(str(module), versions, json_body(
+            {"modules": [{"versions": [{"version": v} for v in versions]}]}))
 
     async def download(self, module: ModuleAddress, version: str) -> None:
         """The `download` operation: raises unless the archive is held or the version list

@@ -1,15 +1,13 @@
 """The provider network mirror protocol, served from verified upstream artifacts.
 
 https://developer.hashicorp.com/terraform/internals/provider-network-mirror-protocol
-Operations: list_versions (index.json), version_document (VERSION.json), archive (the zip).
+Operations: list_versions_body (index.json), version_document (VERSION.json), archive (the zip).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,14 @@ from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress, version_sort_key
 from proxy.core.spool import GrowingFile
+from proxy.protocols.held_documents import (
+    Built,
+    HeldAnswers,
+    VersionListAnswers,
+    current_for,
+)
 from proxy.store.protocol import BlobInfo
+from proxy.upstream.documents import VersionEntry
 from proxy.verification.hashes import zh_hash
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
@@ -35,9 +40,11 @@ from proxy.verification.stored_packages import StoredPackages
 log = logging.getLogger(__name__)
 _PLATFORM_FETCH_CONCURRENCY = 8
 _HELD_DOCUMENTS = 4096
-# A document whose packages are all verified but some still lack their h1 is answered from
-# memory this long; an h1 recorded by this process rebuilds it at once, one recorded by
-# another process sharing the store shows within this bound.
+# A document that may still change (some platforms lack their h1; offline, every document,
+# since an import into the shared store may add to it) is taken as current this long: an h1
+# recorded by this process rebuilds it at once, a change made by another process shows
+# within this bound (the first request past it still gets the held one, and has it rebuilt
+# in the background).
 INCOMPLETE_DOCUMENT_SECONDS = 5.0
 
 
@@ -45,7 +52,6 @@ INCOMPLETE_DOCUMENT_SECONDS = 5.0
 class _HeldDocument:
     document: dict[str, Any]
     body: JsonBody
-    until: float | None  # monotonic; None: complete, nothing in it changes any more
 
 
 class ProviderMirror:
@@ -59,44 +65,39 @@ class ProviderMirror:
         self._fills = fills
         self._filters = packages.filters
         # VERSION.json documents as sent, rebuilt when this process records facts about one
-        # of their packages (saves counts those, so a build that raced one is not kept).
-        self._documents: OrderedDict[tuple[str, str], _HeldDocument] = OrderedDict()
-        self._saves = 0
+        # of their packages.
+        self._documents: HeldAnswers[_HeldDocument] = HeldAnswers(_HELD_DOCUMENTS)
         packages.on_save(self._forget_document)
-        # index.json as sent, for the version list object it was built from (the same object
-        # until the list is read or refreshed again).
-        self._indexes: OrderedDict[str, tuple[object, JsonBody]] = OrderedDict()
+        self._indexes: VersionListAnswers[list[VersionEntry]] = VersionListAnswers(
+            config.offline, _HELD_DOCUMENTS)
         self._offline = config.offline
         self._metrics = metrics
 
+    async def close(self) -> None:
+        """Stop document rebuilds under way (shutdown)."""
+        await self._documents.close()
+        await self._indexes.close()
+
     # --- protocol operations -------------------------------------------------------------
 
-    async def list_versions(self, provider: ProviderAddress) -> dict[str, Any]:
-        """The body of `index.json`: every valid version upstream lists (offline: held)."""
+    async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
+        """`index.json` as sent: serialized once per version list read (online), or per look
+        at what the store holds (offline: it follows what is stored, not only the list)."""
         self._packages.require_served(provider)
-        entries = await self._stored.held_when_offline(
-            provider, await self._packages.version_list(provider))
+        return await self._indexes.get(
+            str(provider), lambda: self._packages.version_list(provider),
+            lambda entries: self._index(provider, entries))
+
+    async def _index(self, provider: ProviderAddress,
+                     entries: list[VersionEntry]) -> dict[str, Any]:
+        """The body of `index.json`: every valid version upstream lists (offline: held)."""
+        entries = await self._stored.held_when_offline(provider, entries)
         ordered = sorted((e.version for e in entries), key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
 
-    async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
-        """`index.json` as sent: serialized once per version list read (online)."""
-        if self._offline:  # follows what is stored, not only the list
-            return json_body(await self.list_versions(provider))
-        self._packages.require_served(provider)
-        entries = await self._packages.version_list(provider)
-        held = self._indexes.get(str(provider))
-        if held is not None and held[0] is entries:
-            self._indexes.move_to_end(str(provider))
-            return held[1]
-        ordered = sorted((e.version for e in entries), key=version_sort_key)
-        body = json_body({"versions": {version: {} for version in ordered}})
-        _keep(self._indexes, str(provider), (entries, body))
-        return body
-
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:
-        """The body of `VERSION.json` (not to be modified): every platform whose package
-        verifies, with its hashes."""
+        """The body of `VERSION.json` (not to be modified; the same object while it is held):
+        every platform whose package verifies, with its hashes."""
         return (await self._held_document(provider, version)).document
 
     async def version_document_body(self, provider: ProviderAddress, version: str) -> JsonBody:
@@ -104,26 +105,24 @@ class ProviderMirror:
         return (await self._held_document(provider, version)).body
 
     def _forget_document(self, provider: ProviderAddress, version: str) -> None:
-        self._saves += 1
-        self._documents.pop((str(provider), version), None)
+        self._documents.forget((str(provider), version))
 
     async def _held_document(self, provider: ProviderAddress, version: str) -> _HeldDocument:
-        """The document from memory while it holds; else built, and kept unless it lacks a
-        platform (retried on the next request) or the proxy is offline (it follows what is
-        stored)."""
+        """The document from memory while it holds; else built, and held unless it lacks a
+        platform that upstream failed to deliver (retried on the next request)."""
         self._packages.require_served(provider)
-        key = (str(provider), version)
-        held = self._documents.get(key)
-        if held is not None and (held.until is None or time.monotonic() < held.until):
-            self._documents.move_to_end(key)
-            return held
-        saves = self._saves
+        return await self._documents.get((str(provider), version),
+                                         lambda: self._built_document(provider, version))
+
+    async def _built_document(self, provider: ProviderAddress,
+                              version: str) -> Built[_HeldDocument]:
         document, complete, every_platform = await self._build_document(provider, version)
-        held = _HeldDocument(document, json_body(document), None if complete else
-                             time.monotonic() + INCOMPLETE_DOCUMENT_SECONDS)
-        if every_platform and not self._offline and saves == self._saves:
-            _keep(self._documents, key, held)
-        return held
+        # Offline, a platform the store lacks is left out as a matter of course, and every
+        # document follows what is stored.
+        settled = complete and not self._offline
+        return Built(_HeldDocument(document, json_body(document)),
+                     keep=every_platform or self._offline,
+                     until=None if settled else current_for(INCOMPLETE_DOCUMENT_SECONDS))
 
     async def _build_document(self, provider: ProviderAddress,
                               version: str) -> tuple[dict[str, Any], bool, bool]:
@@ -198,11 +197,3 @@ class ProviderMirror:
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         return await self._fills.archive(provider, version, platform)
 
-
-def _keep(held: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-    """Remember value as the most recently used, forgetting the least recently used beyond
-    the bound."""
-    held[key] = value
-    held.move_to_end(key)
-    while len(held) > _HELD_DOCUMENTS:
-        held.popitem(last=False)

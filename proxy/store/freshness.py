@@ -29,7 +29,7 @@ FAILURE_BACKOFF_SECONDS = 30.0
 # Copies held in memory (hits read no index), the most recently used ones.
 HELD_COPIES = 4096
 # Offline, nothing expires, but an import into the shared store must still show: a held copy
-# is read from the store again after this long.
+# is read from the store again after this long (in the background: it is answered meanwhile).
 OFFLINE_RECHECK_SECONDS = 5.0
 
 
@@ -57,12 +57,14 @@ class RefreshingDocuments(Generic[T]):
         self._failed_until: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._held: OrderedDict[str, _Held[T]] = OrderedDict()
+        self._rechecks: SingleFlight[None] = SingleFlight()
 
     async def close(self) -> None:
         """Stop refreshes under way."""
         for task in list(self._background):
             task.cancel()
         await self._fills.cancel_all()
+        await self._rechecks.cancel_all()
 
     async def get(self, key: str, fetch: Callable[[], Awaitable[T]],
                   knows: Callable[[T], bool] | None = None) -> T:
@@ -71,6 +73,10 @@ class RefreshingDocuments(Generic[T]):
         held = self._held.get(key)
         if held is not None and self._still_good(held, knows):
             self._held.move_to_end(key)
+            self._metrics.cache_lookups.labels(self._kind, "hit").inc()
+            return held.copy
+        if held is not None and self._offline:
+            self._rechecks.start(key, lambda: self._recheck(key))
             self._metrics.cache_lookups.labels(self._kind, "hit").inc()
             return held.copy
         record = await self._cache.get(key)
@@ -104,6 +110,21 @@ class RefreshingDocuments(Generic[T]):
         if self._offline:
             return time.monotonic() - held.read_at < OFFLINE_RECHECK_SECONDS
         return time.time() - held.fetched_at < self._ttl and (knows is None or knows(held.copy))
+
+    async def _recheck(self, key: str) -> None:
+        """Offline: read a held copy's record again (an import may have replaced it); one
+        that is gone is no longer held."""
+        try:
+            record = await self._cache.get(key)
+            held = self._held.get(key)
+            if record is None:
+                self._held.pop(key, None)
+            elif held is not None and held.fetched_at == record["fetched_at"]:
+                self._hold(key, held.fetched_at, held.copy)
+            else:
+                self._hold(key, record["fetched_at"], self._decode(record["value"]))
+        except Exception as exc:  # the held copy is answered meanwhile; tried again later
+            log.debug("reading %s again failed: %s", key, exc)
 
     def _hold(self, key: str, fetched_at: float, copy: T) -> T:
         """Keep a copy just read from (or written to) the store in memory."""

@@ -40,6 +40,7 @@ from proxy.store.file_identity import FileIdentity
 from proxy.store.index import MetadataCache
 from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
+from proxy.store.s3_heads import RecentHeads
 from proxy.store.s3_index import S3Index
 from proxy.store.s3_marks import AccessMarks
 from proxy.store.s3_objects import Conflict, ObjectInfo, ObjectStore, StoreUnavailable
@@ -136,6 +137,7 @@ class S3BlobStore:
         self.marks = marks or AccessMarks(objects)
         self._redirect = redirect
         self._fetches: SingleFlight[None] = SingleFlight()
+        self._stats = RecentHeads()  # what stats found, for the opens that follow them
 
     @property
     def disk(self) -> DiskSpace:
@@ -171,6 +173,7 @@ class S3BlobStore:
                 raise StoreUnavailable(f"{key} was not in the bucket right after its upload")
             if found.etag == etag:  # else another writer's object replaced ours already
                 await self._keep_copy(found, spool)
+            self._stats.forget(key)
             self.marks.written(key)
             return _blob_info(found)
         finally:
@@ -203,8 +206,10 @@ class S3BlobStore:
             return copy
 
     async def stat(self, key: str) -> BlobInfo | None:
-        """One HEAD; the newest hot copy's word for it when the bucket is unreachable."""
+        """One HEAD (which the open that follows uses too); the newest hot copy's word for
+        it when the bucket is unreachable."""
         found = await self._find(key)
+        self._stats.found(key, found if isinstance(found, ObjectInfo) else None)
         if isinstance(found, ObjectInfo):
             return _blob_info(found)
         return None if found is None else found[0]
@@ -220,8 +225,10 @@ class S3BlobStore:
         return opened
 
     async def _open(self, key: str) -> DiskBlob | RemoteBlob | None:
+        stated = self._stats.recent(key)
         for _attempt in range(2):
-            found = await self._find(key)
+            found = stated or await self._find(key)
+            stated = None
             if found is None:
                 return None
             if isinstance(found, tuple):  # the bucket is unreachable
@@ -240,8 +247,10 @@ class S3BlobStore:
                 await self._fetches.run(_copy_key(found),
                                         functools.partial(self._fetch, found))
             except Conflict:
+                self._stats.forget(key)
                 continue  # replaced since the HEAD: look again
             except LookupError:
+                self._stats.forget(key)
                 return None
             except InsufficientStorage:
                 return RemoteBlob(found, self.objects, self.hot.files.tmp)
@@ -289,6 +298,7 @@ class S3BlobStore:
         """Delete the object if it still has identity, and its hot copies and last-use
         mark."""
         check_key(key)
+        self._stats.forget(key)
         found = await self.objects.head(key)
         gone = False
         if found is not None and (identity is None or _blob_info(found).identity == identity):

@@ -133,6 +133,8 @@ class _HeadDeadline(asyncio.Protocol):
         self._http.resume_writing()
 
     def _watch(self, data: bytes) -> None:
+        if self._deadline is None and data.endswith(b"\r\n\r\n"):
+            return  # whole heads, none awaited before or after: the usual request, at once
         seen = self._tail + data
         awaited, started = self._deadline is not None, False
         while True:

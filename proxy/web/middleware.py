@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import unquote
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import Counter
 
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.metrics import Metrics
@@ -39,27 +41,42 @@ async def json_error_bodies(_request: web.Request, response: web.StreamResponse)
 
 
 MAX_PATH_LENGTH = 2048
+_ODD_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\]")  # control characters, backslash
+_DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?=/|$)")
 
 
 def reject_odd_path(raw_path: str) -> None:
     """Refuse, before any routing, paths no client sends: too long, `.`/`..` segments
     (raw or percent-encoded), backslashes, NUL or other control characters, encoded `/`.
     Percent-decoding happens once, here and in the router; nothing decodes twice."""
-    path = raw_path.split("?", 1)[0]
     if len(raw_path) > MAX_PATH_LENGTH:
         raise BadRequest(f"request path longer than {MAX_PATH_LENGTH} characters")
-    if "%2f" in path.lower() or "%5c" in path.lower():
-        raise BadRequest("encoded slashes are not allowed in paths")
-    decoded = unquote(path, errors="strict")
-    if "\\" in decoded or any(ord(c) < 0x20 or ord(c) == 0x7F for c in decoded):
+    path = raw_path.partition("?")[0]
+    decoded = path
+    if "%" in path:
+        lowered = path.lower()
+        if "%2f" in lowered or "%5c" in lowered:
+            raise BadRequest("encoded slashes are not allowed in paths")
+        decoded = unquote(path, errors="strict")
+    if _ODD_CHARACTERS.search(decoded):
         raise BadRequest("control characters and backslashes are not allowed in paths")
-    if any(segment in (".", "..") for segment in decoded.split("/")):
+    if _DOT_SEGMENT.search(decoded):
         raise BadRequest("dot segments are not allowed in paths")
 
 
 def error_middleware(metrics: Metrics) -> Middleware:
     """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback. A failure
     after the response headers were sent cannot be answered: it cuts the connection."""
+
+    # The labelled counter of each route and status class, looked up once.
+    counted: dict[tuple[str, int], Counter] = {}
+
+    def count(route: str, status: int) -> None:
+        key = (route, status // 100)
+        child = counted.get(key)
+        if child is None:
+            child = counted[key] = metrics.requests.labels(route, f"{status // 100}xx")
+        child.inc()
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -77,7 +94,7 @@ def error_middleware(metrics: Metrics) -> Middleware:
             else:
                 abort_after_headers(request, exc, metrics.aborted_responses, route)
                 response = prepared  # aiohttp finds it sent and the connection gone
-        metrics.requests.labels(route, f"{response.status // 100}xx").inc()
+        count(route, response.status)
         return response
 
     return middleware

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import logging
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from aiohttp import web
 
 from proxy.config import Config
 from proxy.core.errors import NotFound
 from proxy.core.executors import quick
+from proxy.core.held import Derived
+from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import CONTENT_TYPE_LATEST, Metrics
 from proxy.core.models import (
     ModuleAddress,
@@ -25,6 +28,7 @@ from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_body_response, json_response, send_file
+from proxy.web.url_signing import UrlSigner
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -36,6 +40,9 @@ MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
 REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
 ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
+# Answers that are a held document plus the request's own signed URLs or base URL.
+BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
+_HELD_BODIES = 4096
 
 
 async def healthz(_request: web.Request) -> web.Response:
@@ -76,20 +83,44 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         return json_body_response(request, await mirror.list_versions_body(provider))
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
-        if SIGNER_KEY not in request.app:
+        signer = request.app.get(SIGNER_KEY)
+        if signer is None:
             return json_body_response(request,
                                       await mirror.version_document_body(provider, version))
-        # Archives are fetched without credentials: each answer carries its own signed URLs.
-        document = copy.deepcopy(await mirror.version_document(provider, version))
+        # Archives are fetched without credentials: each answer carries its own signed URLs,
+        # for the path as this client spelled it (what its archive requests will be).
+        document = await mirror.version_document(provider, version)
+        expires = signer.expiry()
         directory = request.path.rsplit("/", 1)[0]
-        for archive in document["archives"].values():
-            archive["url"] = _signed(request, f"{directory}/{archive['url']}", archive["url"])
-        return json_response(document)
+        return json_body_response(request, _request_body(
+            request, request.path, document, expires,
+            lambda: _with_signed_archives(document, directory, signer, expires)))
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
                                "application/zip", request.app[ARCHIVES_KEY],
                                request.app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
+
+
+def _request_body(request: web.Request, key: Hashable, source: object, tag: Hashable,
+                  build: Callable[[], dict[str, Any]]) -> JsonBody:
+    """The answer for key, built from the held document source by build() (once per source
+    and tag, e.g. the expiry signed into it). key names everything else that goes into it."""
+    bodies = request.app[BODIES_KEY]
+    held = bodies.get(key, source, tag)
+    return held if held is not None else bodies.put(key, source, json_body(build()), tag)
+
+
+def _with_signed_archives(document: dict[str, Any], directory: str, signer: UrlSigner,
+                          expires: int) -> dict[str, Any]:
+    """A VERSION.json document whose archive URLs (relative to directory) are signed until
+    expires; document itself is left as it is."""
+    archives = {}
+    for platform, archive in document["archives"].items():
+        url = archive["url"]
+        query = signer.query(f"{directory}/{url}", expires=expires)
+        archives[platform] = {**archive, "url": f"{url}?{query}"}
+    return {**document, "archives": archives}
 
 
 def public_base(request: web.Request) -> str:
@@ -101,17 +132,17 @@ def public_base(request: web.Request) -> str:
     return f"https://{request.host}/"
 
 
-def _signed(request: web.Request, path: str, url: str) -> str:
+def _signed(request: web.Request, path: str, url: str, expires: int | None = None) -> str:
     """url, which leads to our path, with the query that lets a client fetch it without
     credentials (Terraform sends none to the URLs in these documents) when clients must
-    authenticate."""
+    authenticate: until expires (default: the expiry of a URL signed now)."""
     signer = request.app.get(SIGNER_KEY)
-    return url if signer is None else f"{url}?{signer.query(path)}"
+    return url if signer is None else f"{url}?{signer.query(path, expires=expires)}"
 
 
-def _public_url(request: web.Request, path: str) -> str:
+def _public_url(request: web.Request, path: str, expires: int | None = None) -> str:
     """The absolute URL of our path (see public_base), signed when clients authenticate."""
-    return _signed(request, path, public_base(request) + path.lstrip("/"))
+    return _signed(request, path, public_base(request) + path.lstrip("/"), expires)
 
 
 async def discovery(request: web.Request) -> web.Response:
@@ -130,7 +161,8 @@ def _provider(request: web.Request) -> ProviderAddress:
 
 async def provider_versions(request: web.Request) -> web.Response:
     """providers.v1 `:namespace/:type/versions`."""
-    return json_response(await request.app[REGISTRY_KEY].list_versions(_provider(request)))
+    registry = request.app[REGISTRY_KEY]
+    return json_body_response(request, await registry.list_versions_body(_provider(request)))
 
 
 async def provider_download(request: web.Request) -> web.Response:
@@ -139,14 +171,23 @@ async def provider_download(request: web.Request) -> web.Response:
     provider = _provider(request)
     version = parse_version(request.match_info["version"])
     platform = Platform.parse(request.match_info["os"], request.match_info["arch"])
-    document, sums = await request.app[REGISTRY_KEY].download_document(
-        provider, version, platform)
-    sums_path = f"{PROVIDERS_PREFIX}{provider}/{version}/sums/{sums}/SHA256SUMS"
-    document["download_url"] = _public_url(
-        request, f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}")
-    document["shasums_url"] = _public_url(request, sums_path)
-    document["shasums_signature_url"] = _public_url(request, sums_path + ".sig")
-    return json_response(document)
+    facts = await request.app[REGISTRY_KEY].download_document(provider, version, platform)
+    signer = request.app.get(SIGNER_KEY)
+    expires = None if signer is None else signer.expiry()
+
+    def build() -> dict[str, Any]:
+        document, sums = dict(facts[0]), facts[1]
+        sums_path = f"{PROVIDERS_PREFIX}{provider}/{version}/sums/{sums}/SHA256SUMS"
+        document["download_url"] = _public_url(
+            request, f"{MIRROR_PREFIX}{provider}/{provider.archive_filename(version, platform)}",
+            expires)
+        document["shasums_url"] = _public_url(request, sums_path, expires)
+        document["shasums_signature_url"] = _public_url(request, sums_path + ".sig", expires)
+        return document
+
+    # The URLs are absolute: on the base this client reached us at.
+    return json_body_response(request, _request_body(
+        request, (request.path, public_base(request)), facts, expires, build))
 
 
 async def provider_sums(request: web.Request) -> web.Response:
@@ -170,7 +211,8 @@ def _module(request: web.Request) -> ModuleAddress:
 
 async def module_versions(request: web.Request) -> web.Response:
     """`:namespace/:name/:system/versions`."""
-    return json_response(await request.app[MODULES_KEY].list_versions(_module(request)))
+    registry = request.app[MODULES_KEY]
+    return json_body_response(request, await registry.list_versions_body(_module(request)))
 
 
 async def module_version_file(request: web.Request) -> web.StreamResponse:
@@ -198,6 +240,7 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application) -> None:
     """Every route the proxy serves."""
+    app[BODIES_KEY] = Derived(_HELD_BODIES)
     app.router.add_get("/healthz", healthz, name="healthz")
     app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")

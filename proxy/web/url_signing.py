@@ -10,6 +10,11 @@ from urllib.parse import urlencode
 
 EXPIRES = "expires"
 SIGNATURE = "sig"
+# Expiry times are rounded down to a step of this share of the TTL (at most a minute): URLs
+# signed within one step are the same, and so are the documents carrying them (one ETag),
+# while no URL outlives the TTL.
+_STEPS_PER_TTL = 60
+_LONGEST_STEP = 60
 
 
 class UrlSigner:
@@ -18,13 +23,21 @@ class UrlSigner:
     def __init__(self, key: bytes, ttl: float) -> None:
         self._key = key
         self._ttl = ttl
+        self._step = max(1, min(_LONGEST_STEP, int(ttl // _STEPS_PER_TTL)))
 
     def _mac(self, path: str, expires: int) -> str:
         return hmac.new(self._key, f"{path}\n{expires}".encode(), hashlib.sha256).hexdigest()
 
-    def query(self, path: str, now: float | None = None) -> str:
-        """The query string (without `?`) that authorizes GET/HEAD of path until the TTL."""
-        expires = int((time.time() if now is None else now) + self._ttl)
+    def expiry(self, now: float | None = None) -> int:
+        """When a URL signed now expires: the TTL from now, rounded down to the step."""
+        at = int((time.time() if now is None else now) + self._ttl)
+        return at - at % self._step
+
+    def query(self, path: str, now: float | None = None, expires: int | None = None) -> str:
+        """The query string (without `?`) that authorizes GET/HEAD of path until `expires`
+        (default: the expiry of a URL signed now)."""
+        if expires is None:
+            expires = self.expiry(now)
         return urlencode({EXPIRES: expires, SIGNATURE: self._mac(path, expires)})
 
     def valid(self, path: str, expires: str | None, signature: str | None,

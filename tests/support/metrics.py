@@ -18,3 +18,12 @@ def sample(exposition: str, name: str, **labels: str) -> float | None:
 def declared(exposition: str, family: str) -> bool:
     """Whether the exposition declares the metric family (its # TYPE line), samples or not."""
     return any(line.startswith(f"# TYPE {family} ") for line in exposition.splitlines())
+
+
+def total(exposition: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of name whose labels include these; None when there is none
+    (so a comparison cannot pass by accident once the series disappear)."""
+    found = [s.value for family in text_string_to_metric_families(exposition)
+             for s in family.samples
+             if s.name == name and labels.items() <= s.labels.items()]
+    return float(sum(found)) if found else None
