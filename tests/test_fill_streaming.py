@@ -224,3 +224,35 @@ async def test_a_follower_that_needs_the_file_once_it_was_published_reads_what_i
     spool.complete(whole)
     rest = b"".join([bytes(chunk) async for chunk in chunks])
     assert first + rest == whole
+
+
+async def test_a_follower_keeps_the_spool_from_eviction(tmp_path: Path) -> None:
+    # Eviction skips a file that someone has open with a shared lock: the spool, once
+    # published, is that file, and a follower may still need to read it.
+    import fcntl
+    data = package(1 << 20)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await new_spool(blobs, len(data))
+    chunks = spool.chunks()
+    spool.arrived(data[:1000])
+    assert bytes(await chunks.__anext__()) == data[:999]  # from memory
+
+    def evictable() -> bool:
+        with open(spool.temp, "rb") as other:
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+    for _ in range(200):  # the follower opens the file meanwhile
+        if not evictable():
+            break
+        await asyncio.sleep(0.01)
+    assert not evictable()
+    await chunks.aclose()
+    for _ in range(200):  # and lets it go when it leaves
+        if evictable():
+            break
+        await asyncio.sleep(0.01)
+    assert evictable()

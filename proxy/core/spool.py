@@ -132,7 +132,7 @@ class GrowingFile(Generic[F]):
         one is asked for."""
         # The file is opened meanwhile, for when this reader falls behind what memory holds:
         # the first bytes do not wait for it.
-        opening = quick_started(os.open, self.temp, os.O_RDONLY | os.O_CLOEXEC)
+        opening = quick_started(self._open)
         reader: ChunkReader | None = None
         offset = 0
         try:
@@ -153,7 +153,6 @@ class GrowingFile(Generic[F]):
                                 async for chunk in self._published_from(offset):
                                     yield chunk
                                 return
-                            self._opened(fd)  # on disk, the same file once published: kept
                             reader = ChunkReader(fd, _CHUNK)
                         piece = await reader.read(offset, min(_CHUNK, end - offset))
                         if not piece:
@@ -166,6 +165,17 @@ class GrowingFile(Generic[F]):
                 await changed.wait()
         finally:
             opening.add_done_callback(_close_opened)
+
+    def _open(self) -> int:
+        """The spool, open for reading and marked in use (blocking): on disk it is the same
+        file once published, kept while this reader has it."""
+        fd = os.open(self.temp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._opened(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     async def _published_from(self, offset: int) -> AsyncIterator[bytes | memoryview]:
         """What the spool became, from offset on."""
