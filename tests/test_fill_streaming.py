@@ -1,16 +1,20 @@
 """A fill and the clients that follow it in this process: they get each byte as it arrives,
-from memory while it is recent and from the spool file once they fall behind, never a whole
-body of a download that fails verification; the fill hashes off the event loop, and a
-stalled follower does not make it hold the download in memory."""
+from memory while it is recent and from the spool file once they fall behind (which they
+keep from eviction), never a whole body of a download that fails verification; the fill
+hashes off the event loop, and a stalled follower does not make it hold the download in
+memory."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
+import io
 import os
 import random
 import threading
 import tracemalloc
+import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +34,6 @@ KEY = "archives/registry.terraform.io/hashicorp/x/1.0.0/p.zip"
 
 def package(size: int) -> bytes:
     """About size bytes of stored (incompressible) zip: what a fill verifies."""
-    import io
-    import zipfile
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr("terraform-provider-x_v1.0.0", random.Random(size).randbytes(size))
@@ -229,7 +231,6 @@ async def test_a_follower_that_needs_the_file_once_it_was_published_reads_what_i
 async def test_a_follower_keeps_the_spool_from_eviction(tmp_path: Path) -> None:
     # Eviction skips a file that someone has open with a shared lock: the spool, once
     # published, is that file, and a follower may still need to read it.
-    import fcntl
     data = package(1 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     spool = await new_spool(blobs, len(data))
