@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -64,15 +65,21 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
                              progress.advance if progress is not None else _ignore)
         batch: list[bytes] = []
         batched = 0
+        batch_started = 0.0
         async for chunk in chunks:
             if progress is not None:
                 progress.arrived(chunk)  # followers have it from memory now
             size += len(chunk)
+            if not batch:
+                batch_started = time.monotonic()
             batch.append(chunk)
             batched += len(chunk)
             # The next batch starts once the one before is on disk; while it is not, bytes
             # keep coming (followers get them from memory) up to _AHEAD, then the fill waits.
-            if batched >= _BATCH and (spool.ready() or batched >= _AHEAD):
+            # A slow upstream's bytes go to disk after _LINGER even in a small batch: other
+            # processes' clients of this fill follow the spool file, not this memory.
+            if batched >= _AHEAD or (spool.ready() and (
+                    batched >= _BATCH or time.monotonic() - batch_started >= _LINGER)):
                 await spool.write(batch)
                 batch, batched = [], 0
         await spool.write(batch)
@@ -125,6 +132,7 @@ _BATCH = 1 << 20
 # fill waits for them. More kept peak memory up (20 clients on a 1 GiB fill: 4 MiB here cost
 # 12 MiB of RSS) for no measurable speed.
 _AHEAD = 2 << 20
+_LINGER = 0.05  # seconds
 _PIECE = 256 << 10  # hashed, then written, while it is in the CPU's cache
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import time
 
 
 def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float) -> bool:
-    """Whether a line containing text appears on process.stdout within timeout seconds.
-    Lines read on the way are consumed."""
+    """Whether text appears in process.stdout within timeout seconds. Reads the pipe's file
+    descriptor itself: a buffered reader may hold the line while select says nothing is left."""
     assert process.stdout is not None
+    fd = process.stdout.fileno()
+    seen = b""
+    wanted = text.encode()
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([process.stdout], [], [], left)
+        ready, _, _ = select.select([fd], [], [], left)
         if not ready:
             return False
-        line = process.stdout.readline()
-        if not line:  # the process closed its output
+        data = os.read(fd, 65536)
+        if not data:  # the process closed its output
             return False
-        if text in line:
+        seen += data
+        if wanted in seen:
             return True
     return False
