@@ -47,4 +47,6 @@ async def test_the_memory_backend_is_counted_too(
         proxy_config, open_storage=open_memory_storage))
     filled = await _served(client, registry)
     assert _count(filled, "memory", "publish") == 1
-    assert _count(filled, "memory", "index_get") >= 1
+    # The record that vouches for the package is saved before its last byte goes out (the
+    # reads that follow, for its h1, may still be under way when the client has it all).
+    assert _count(filled, "memory", "index_set") >= 1
