@@ -257,3 +257,36 @@ async def test_a_follower_keeps_the_spool_from_eviction(tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.01)
     assert evictable()
+
+
+async def test_a_slow_downloads_bytes_reach_the_spool_file_while_it_runs(
+        tmp_path: Path) -> None:
+    # Followers in other processes (workers, replicas) follow the spool file, not this
+    # process's memory: a trickling upstream must not keep its bytes off disk until a whole
+    # batch (1 MiB) has come.
+    data = package(4096)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await new_spool(blobs, len(data))
+    gate = asyncio.Event()
+
+    async def trickle() -> AsyncIterator[bytes]:
+        for offset in range(0, 480, 32):
+            yield data[offset:offset + 32]
+            await asyncio.sleep(0.02)
+        await gate.wait()  # upstream stalls: the download is far from done
+        yield data[480:]
+
+    fill = asyncio.create_task(store_package(blobs, KEY, trickle(),
+                                             hashlib.sha256(data).hexdigest(), spool))
+    try:
+        on_disk = 0
+        for _ in range(250):  # the file is polled: nothing signals a write to it
+            on_disk = spool.temp.stat().st_size if spool.temp.exists() else 0
+            if on_disk:
+                break
+            await asyncio.sleep(0.02)
+        assert on_disk > 0 and not fill.done()
+    finally:
+        gate.set()
+    stored = await fill
+    assert blobs.path_of(stored.info.key).read_bytes() == data
