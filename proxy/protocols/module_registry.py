@@ -15,19 +15,20 @@ import logging
 import shutil
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.errors import NotFound, Offline, ProxyError
 from proxy.core.executors import quick, slow
-from proxy.core.held import Derived
-from proxy.core.json_bodies import JsonBody, json_body
+from proxy.core.json_bodies import JsonBody
 from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress
 from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import SingleFlight
 from proxy.modules.packing import read_packed
 from proxy.modules.sources import ModuleSource, parse_source
+from proxy.protocols.held_documents import VersionListAnswers
 from proxy.store import layout
 from proxy.store.file_identity import (
     FileIdentity,
@@ -70,14 +71,17 @@ class ModuleRegistry:
         self._archive_fills: SingleFlight[BlobInfo] = SingleFlight(exclusive=self._fill_scope)
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
         self._checked = CheckedFiles(archives)
-        # `versions` as sent, for the version list object it was built from.
-        self._version_bodies: Derived[JsonBody] = Derived(_HELD_BODIES)
+        # `versions` as sent, for the version list object it was built from. Offline too: the
+        # list is then what the store holds, the same object while its record is unchanged.
+        self._version_bodies: VersionListAnswers[list[str]] = VersionListAnswers(
+            offline=False, limit=_HELD_BODIES)
 
     async def close(self) -> None:
         """Stop fills under way (shutdown)."""
         await self._archive_fills.cancel_all()
         await self._checked.close()
         await self._version_lists.close()
+        await self._version_bodies.close()
 
     # --- protocol operations -------------------------------------------------------------
 
@@ -85,12 +89,8 @@ class ModuleRegistry:
         """`versions` as sent, `{"modules": [{"versions": [{"version": ...}]}]}`: serialized
         once per version list read."""
         self._filters.require_module(module)
-        versions = await self._versions(module)
-        held = self._version_bodies.get(str(module), versions)
-        if held is not None:
-            return held
-        return self._version_bodies.put(str(module), versions, json_body(
-            {"modules": [{"versions": [{"version": v} for v in versions]}]}))
+        return await self._version_bodies.get(
+            str(module), lambda: self._versions(module), _versions_document)
 
     async def download(self, module: ModuleAddress, version: str) -> None:
         """The `download` operation: raises unless the archive is held or the version list
@@ -263,3 +263,8 @@ def recorded_sha256(record: object) -> str | None:
     """The sha256 a module archive record holds; None if it is not such a record."""
     sha256 = record.get("sha256") if isinstance(record, dict) else None
     return sha256 if isinstance(sha256, str) else None
+
+
+async def _versions_document(versions: list[str]) -> dict[str, Any]:
+    """The body of `versions` for a version list."""
+    return {"modules": [{"versions": [{"version": v} for v in versions]}]}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from proxy.core.errors import ProxyError, UpstreamError
+from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.singleflight import SingleFlight
 from proxy.store.protocol import MetadataIndex
@@ -83,10 +84,7 @@ class RefreshingDocuments(Generic[T]):
         if record is None:
             self._metrics.cache_lookups.labels(self._kind, "miss").inc()
             return await self._refresh(key, fetch)
-        if held is not None and held.fetched_at == record["fetched_at"]:
-            copy = self._hold(key, held.fetched_at, held.copy)  # unchanged: the same object
-        else:
-            copy = self._hold(key, record["fetched_at"], self._decode(record["value"]))
+        copy = self._hold_record(key, held, record)
         age = time.time() - record["fetched_at"]
         known = knows is None or knows(copy)
         if self._offline or (age < self._ttl and (known or age < UNKNOWN_ENTRY_REFRESH_SECONDS)):
@@ -119,19 +117,22 @@ class RefreshingDocuments(Generic[T]):
             held = self._held.get(key)
             if record is None:
                 self._held.pop(key, None)
-            elif held is not None and held.fetched_at == record["fetched_at"]:
-                self._hold(key, held.fetched_at, held.copy)
             else:
-                self._hold(key, record["fetched_at"], self._decode(record["value"]))
+                self._hold_record(key, held, record)
         except Exception as exc:  # the held copy is answered meanwhile; tried again later
             log.debug("reading %s again failed: %s", key, exc)
 
+    def _hold_record(self, key: str, held: _Held[T] | None, record: dict[str, Any]) -> T:
+        """Keep the copy a record just read from the store holds: the held object itself
+        while the record is unchanged (its identity marks it unchanged to what is derived
+        from it), else the record decoded."""
+        if held is not None and held.fetched_at == record["fetched_at"]:
+            return self._hold(key, held.fetched_at, held.copy)
+        return self._hold(key, record["fetched_at"], self._decode(record["value"]))
+
     def _hold(self, key: str, fetched_at: float, copy: T) -> T:
         """Keep a copy just read from (or written to) the store in memory."""
-        self._held[key] = _Held(fetched_at, copy, time.monotonic())
-        self._held.move_to_end(key)
-        while len(self._held) > HELD_COPIES:
-            self._held.popitem(last=False)
+        keep_recent(self._held, key, _Held(fetched_at, copy, time.monotonic()), HELD_COPIES)
         return copy
 
     def _failing(self, key: str) -> bool:

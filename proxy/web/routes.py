@@ -28,7 +28,6 @@ from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_body_response, json_response, send_file
-from proxy.web.url_signing import UrlSigner
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -94,7 +93,7 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         directory = request.path.rsplit("/", 1)[0]
         return json_body_response(request, _request_body(
             request, request.path, document, expires,
-            lambda: _with_signed_archives(document, directory, signer, expires)))
+            lambda: _with_signed_archives(request, document, directory, expires)))
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
                                "application/zip", request.app[ARCHIVES_KEY],
@@ -111,15 +110,13 @@ def _request_body(request: web.Request, key: Hashable, source: object, tag: Hash
     return held if held is not None else bodies.put(key, source, json_body(build()), tag)
 
 
-def _with_signed_archives(document: dict[str, Any], directory: str, signer: UrlSigner,
+def _with_signed_archives(request: web.Request, document: dict[str, Any], directory: str,
                           expires: int) -> dict[str, Any]:
     """A VERSION.json document whose archive URLs (relative to directory) are signed until
     expires; document itself is left as it is."""
-    archives = {}
-    for platform, archive in document["archives"].items():
-        url = archive["url"]
-        query = signer.query(f"{directory}/{url}", expires=expires)
-        archives[platform] = {**archive, "url": f"{url}?{query}"}
+    archives = {platform: {**archive, "url": _signed(request, f"{directory}/{archive['url']}",
+                                                     archive["url"], expires)}
+                for platform, archive in document["archives"].items()}
     return {**document, "archives": archives}
 
 
