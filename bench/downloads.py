@@ -1,11 +1,13 @@
-"""The archive figures: warm throughput and server CPU per GB against nginx, a cold miss
-against a direct download, 100 concurrent cold GETs against nginx warm, and peak RSS."""
+"""The archive figures: warm throughput and server CPU per GB against nginx (and against the
+bare-aiohttp file floor: what Python can do), a cold miss against a direct download, 100
+concurrent cold GETs against nginx warm, and peak RSS."""
 
 from __future__ import annotations
 
+import statistics
 from functools import partial
 
-from bench.figures import Figure, Target
+from bench.figures import Figure, Target, number, spread
 from bench.measure import (
     CpuMeter,
     Transfer,
@@ -16,7 +18,7 @@ from bench.measure import (
     throughput,
 )
 from bench.servers import Server
-from bench.session import Session, in_turn, progress
+from bench.session import Session, each_in_turn, in_turn, progress
 from bench.upstream import BIG, HUGE
 
 HERD = 100
@@ -29,30 +31,60 @@ def _mib(size: int) -> str:
 
 def archive(session: Session) -> tuple[list[Figure], list[str]]:
     """Warm zip throughput with 1 and 8 clients, and server CPU per GB with 8, vs nginx; both
-    with the default workers."""
+    with the default workers. With 8 clients, the same against the file floor, and the floor
+    against nginx (a note)."""
     settings = session.settings
     name = _mib(session.upstream.sizes[BIG])
     proxy = session.warm_proxy(settings.workers)
     download(proxy.ca, proxy.url(BIG.document))  # as Terraform: the document first
     download(proxy.ca, proxy.url(BIG.archive()))  # the fill: warm from now on
     session.publish(BIG)
-    nginx = session.nginx()
+    nginx, floor = session.nginx(), session.file_floor()
+    download(floor.ca, floor.url(BIG.archive()))  # it serves: its first GET not counted
     single = Figure("archive", f"warm {name} zip, 1 client: throughput", "MB/s", "nginx")
     eight = Figure("archive", f"warm {name} zip, 8 clients: throughput", "MB/s", "nginx",
                    Target("ratio", ">=", 0.85))
     cpu = Figure("archive", f"warm {name} zip, 8 clients: server CPU per GB served", "s/GB",
                  "nginx", Target("ratio", "<=", 1.3))
+    eight_floor = Figure("archive", f"warm {name} zip, 8 clients: throughput, against the "
+                         "file floor", "MB/s", "file floor")
+    cpu_floor = Figure("archive", f"warm {name} zip, 8 clients: server CPU per GB served, "
+                       "against the file floor", "s/GB", "file floor")
     for run in range(settings.runs):
         progress(f"archive, run {run + 1}: 1 client")
         ours, theirs = in_turn(run, partial(_throughput, session, proxy, 1),
                                partial(_throughput, session, nginx, 1))
         single.add(ours[0].mb_per_second, theirs[0].mb_per_second)
         progress(f"archive, run {run + 1}: 8 clients")
-        ours, theirs = in_turn(run, partial(_throughput, session, proxy, 8),
-                               partial(_throughput, session, nginx, 8))
+        ours, theirs, bare = each_in_turn(run, [partial(_throughput, session, server, 8)
+                                                for server in (proxy, nginx, floor)])
         eight.add(ours[0].mb_per_second, theirs[0].mb_per_second)
-        cpu.add(ours[1] / (ours[0].size / 1e9), theirs[1] / (theirs[0].size / 1e9))
-    return [single, eight, cpu], []
+        cpu.add(_per_gb(ours), _per_gb(theirs))
+        eight_floor.add(ours[0].mb_per_second, bare[0].mb_per_second)
+        cpu_floor.add(_per_gb(ours), _per_gb(bare))
+    note = _floor_note(floor, settings.workers, (eight_floor, eight), (cpu_floor, cpu))
+    return [single, eight, cpu, eight_floor, cpu_floor], [note]
+
+
+def _per_gb(measured: tuple[Transfer, float]) -> float:
+    """CPU seconds per GB served."""
+    transfer, seconds = measured
+    return seconds / (transfer.size / 1e9)
+
+
+def _floor_note(floor: Server, workers: int, throughputs: tuple[Figure, Figure],
+                cpus: tuple[Figure, Figure]) -> str:
+    """The file floor against nginx, measured in the same runs: how far Python itself is from
+    C when serving a file over TLS. Each figure pair: (against the floor, against nginx)."""
+    def versus(pair: tuple[Figure, Figure], unit: str) -> str:
+        against_floor, against_nginx = pair
+        floors, nginxes = against_floor.reference, against_nginx.reference
+        ratios = [ours / theirs for ours, theirs in zip(floors, nginxes, strict=True)]
+        return (f"{number(statistics.median(floors))} {unit}, {spread(ratios)} x nginx's "
+                f"{number(statistics.median(nginxes))} {unit}")
+
+    return (f"The {floor.name} with 8 clients: {versus(throughputs, 'MB/s')}; server CPU "
+            f"{versus(cpus, 's/GB')} (nginx with {workers} workers).")
 
 
 def _throughput(session: Session, server: Server, clients: int) -> tuple[Transfer, float]:
