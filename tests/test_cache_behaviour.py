@@ -11,6 +11,7 @@ import random
 import shutil
 import sys
 import threading
+import time
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -350,6 +351,30 @@ async def test_a_document_asked_for_during_a_fills_h1_pass_waits_for_it_not_a_se
     answer = await (await document).json()
     assert answer["archives"]["linux_amd64"]["hashes"][0] == zip_h1(good)
     assert held.started == 1
+
+
+async def test_a_cold_package_reads_its_facts_while_upstream_answers_its_download_document(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first byte of a miss waits for the download document (upstream) and the recorded
+    # facts (the index): asked for together, not one after the other.
+    client = await make()
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # the facts, recorded
+    read_after: list[float] = []
+    started = 0.0
+    real_get = MetadataCache.get
+
+    async def noting_get(cache: MetadataCache, key: str) -> dict[str, Any] | None:
+        if key.startswith("package/") and key.endswith("linux_amd64"):
+            read_after.append(time.monotonic() - started)
+        return await real_get(cache, key)
+
+    monkeypatch.setattr(MetadataCache, "get", noting_get)
+    registry.slow_paths["/v1/providers/hashicorp/null/3.2.1/download/linux"] = 1.0
+    started = time.monotonic()
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert await response.read() == \
+        registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    assert read_after and read_after[-1] < 0.8, read_after  # not after the document came
 
 
 async def test_damaged_stored_zip_is_left_out_offline(
