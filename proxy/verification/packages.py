@@ -126,7 +126,8 @@ class VerifiedPackages:
             info = await fetching
         finally:
             fetching.cancel()  # a no-op once it is done
-        package = known or await self.package(provider, version, platform, info)
+        package = known if known is not None else \
+            await self.package(provider, version, platform, info)
         if (info.filename, info.shasum) != (package.filename, package.shasum):
             raise self.integrity("changed", f"upstream now describes {provider} {version} "
                                  f"{platform.key} differently from what it signed before")
