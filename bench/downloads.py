@@ -10,9 +10,11 @@ from functools import partial
 from bench.figures import Figure, Target, number, spread
 from bench.measure import (
     CpuMeter,
+    CpuUse,
     Transfer,
     concurrent_downloads,
     download,
+    metered,
     peak_rss_mib,
     process_tree,
     throughput,
@@ -97,51 +99,102 @@ def _throughput(session: Session, server: Server, clients: int) -> tuple[Transfe
 
 def cold(session: Session) -> tuple[list[Figure], list[str]]:
     """A cold miss of the big zip (documents already fetched, as Terraform does): first byte
-    and whole download, against the same download straight from upstream."""
+    and whole download, against the same download straight from upstream; and the CPU every
+    process used for each (the least wall time that CPU allows on this machine's cores)."""
     settings = session.settings
-    name = _mib(session.upstream.sizes[BIG])
+    size = session.upstream.sizes[BIG]
+    name = _mib(size)
     first = Figure("cold", f"cold {name} zip: time to first byte", "ms", "direct",
                    Target("ratio", "<=", 1.5))
     whole = Figure("cold", f"cold {name} zip: whole download", "s", "direct",
                    Target("ratio", "<=", 1.5))
+    floor = _floor_figure("cold", f"cold {name} zip", settings.workers, "direct")
     upstream = session.upstream
+    thread = upstream.registry.thread
+    uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])
     for run in range(settings.runs):
         progress(f"cold, run {run + 1}")
         with session.fresh_cache(f"cold-{run}") as cache, \
                 session.proxy(cache, settings.workers) as proxy:
             proxy.get(BIG.index)
             proxy.get(BIG.document)
-            ours, direct = in_turn(
-                run, partial(download, proxy.ca, proxy.url(BIG.archive())),
-                partial(download, upstream.ca_file, upstream.url(BIG.upstream_archive())))
+            (ours, our_cpu), (direct, direct_cpu) = in_turn(
+                run, partial(metered, partial(download, proxy.ca, proxy.url(BIG.archive())),
+                             thread, proxy.pid),
+                partial(metered, partial(download, upstream.ca_file,
+                                         upstream.url(BIG.upstream_archive())), thread))
         first.add(ours.first_byte * 1000, direct.first_byte * 1000)
         whole.add(ours.total, direct.total)
-    return [first, whole], []
+        floor.add(our_cpu.bound(settings.workers), direct_cpu.bound(settings.workers))
+        uses[0].append(our_cpu)
+        uses[1].append(direct_cpu)
+    notes = [_cpu_note(f"cold {name} zip", "proxied download", uses[0], size,
+                       settings.workers, "proxy"),
+             _cpu_note(f"cold {name} zip", "direct download", uses[1], size,
+                       settings.workers)]
+    return [first, whole, floor], notes
 
 
 def herd(session: Session) -> tuple[list[Figure], list[str]]:
     """100 concurrent cold GETs of the big zip: upstream downloads, and seconds until the
-    last client is done against the same 100 GETs served warm by nginx."""
+    last client is done against the same 100 GETs served warm by nginx; and the CPU every
+    process used for each (the least wall time that CPU allows on this machine's cores)."""
     settings = session.settings
-    name = _mib(session.upstream.sizes[BIG])
+    size = session.upstream.sizes[BIG]
+    name = _mib(size)
     session.publish(BIG)
     nginx = session.nginx()
-    fetches = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: upstream "
-                     "downloads", "", "", Target("proxy", "==", 1))
-    last = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: last client done "
-                  "(nginx: warm)", "s", "nginx", Target("ratio", "<=", 1.2))
+    what = f"{HERD} concurrent cold GETs of a {name} zip"
+    fetches = Figure("herd", f"{what}: upstream downloads", "", "", Target("proxy", "==", 1))
+    last = Figure("herd", f"{what}: last client done (nginx: warm)", "s", "nginx",
+                  Target("ratio", "<=", 1.2))
+    floor = _floor_figure("herd", what, settings.workers, "nginx")
+    thread = session.upstream.registry.thread
+    uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])
     for run in range(settings.runs):
         progress(f"herd, run {run + 1}")
         with session.fresh_cache(f"herd-{run}") as cache, \
                 session.proxy(cache, settings.workers) as proxy:
             proxy.get(BIG.document)
             before = session.upstream.downloads_of(BIG)
-            ours, theirs = in_turn(
-                run, partial(concurrent_downloads, proxy.ca, proxy.url(BIG.archive()), HERD),
-                partial(concurrent_downloads, nginx.ca, nginx.url(BIG.archive()), HERD))
+            (ours, our_cpu), (theirs, their_cpu) = in_turn(
+                run, partial(metered, partial(concurrent_downloads, proxy.ca,
+                                              proxy.url(BIG.archive()), HERD),
+                             thread, proxy.pid),
+                partial(metered, partial(concurrent_downloads, nginx.ca,
+                                         nginx.url(BIG.archive()), HERD), thread, nginx.pid))
             fetches.add(session.upstream.downloads_of(BIG) - before)
         last.add(ours, theirs)
-    return [fetches, last], []
+        floor.add(our_cpu.bound(settings.workers), their_cpu.bound(settings.workers))
+        uses[0].append(our_cpu)
+        uses[1].append(their_cpu)
+    notes = [_cpu_note(what, "proxy (cold)", uses[0], size * HERD, settings.workers, "proxy"),
+             _cpu_note(what, "nginx (warm)", uses[1], size * HERD, settings.workers, "nginx")]
+    return [fetches, last, floor], notes
+
+
+def _floor_figure(group: str, what: str, cores: int, reference: str) -> Figure:
+    """The CPU-bound lower bound of a measurement: the CPU seconds of every process involved
+    (upstream, server, clients) over the usable cores; no target, it explains the wall time."""
+    return Figure(group, f"{what}: CPU-bound lower bound (CPU of all processes / {cores} "
+                  "cores)", "s", reference)
+
+
+def _cpu_note(what: str, side: str, uses: list[CpuUse], size: int, cores: int,
+              server: str = "") -> str:
+    """Where the CPU of a measurement went, per GB delivered to the clients (medians over
+    runs), and the wall time that CPU needs at least on this machine."""
+    def per_gb(values: list[float]) -> str:
+        return f"{statistics.median(values) / (size / 1e9):.2f}"
+    parts = [f"upstream {per_gb([u.upstream for u in uses])}"]
+    if server:
+        parts.append(f"{server} {per_gb([u.server for u in uses])}")
+    parts.append(f"clients {per_gb([u.clients for u in uses])}")
+    total = statistics.median(u.total for u in uses)
+    wall = statistics.median(u.wall for u in uses)
+    return (f"{what}, {side}: {per_gb([u.total for u in uses])} CPU-s per GB delivered "
+            f"across processes ({', '.join(parts)}); {total:.2f} CPU-s in all, on {cores} "
+            f"cores at least {total / cores:.2f} s (measured {wall:.2f} s)")
 
 
 def rss(session: Session) -> tuple[list[Figure], list[str]]:
