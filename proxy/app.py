@@ -11,6 +11,8 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.config.filters import Filters
 from proxy.config.settings import CacheConfig
+from proxy.core.audit import AuditLog
+from proxy.core.errors import ProxyError
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
@@ -35,6 +37,7 @@ from proxy.web.middleware import SERVER_NAME, error_middleware, json_error_bodie
 from proxy.web.responses import remember_prepared
 from proxy.web.routes import (
     ARCHIVES_KEY,
+    AUDIT_KEY,
     CONFIG_KEY,
     METRICS_KEY,
     MIRROR_KEY,
@@ -72,14 +75,16 @@ def create_app(config: Config,
     app = web.Application(middlewares=middlewares)
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
-    add_routes(app)
+    audit = AuditLog(config.server.audit_log)  # opened with the other resources
+    app[AUDIT_KEY] = audit
+    add_routes(app, audit)
     app.on_response_prepare.append(_prepared)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         # Each resource is closed by the stack as soon as it exists: a start that fails
         # part-way (an unusable signing key, a full disk) leaves nothing open behind it.
         async with contextlib.AsyncExitStack() as opened:
-            await _open_resources(app, config, metrics, opened, open_storage)
+            await _open_resources(app, config, metrics, opened, open_storage, audit)
             yield
 
     # Opened first, closed last (cleanup_ctx unwinds in reverse): every resource's blocking
@@ -91,8 +96,14 @@ def create_app(config: Config,
 
 async def _open_resources(app: web.Application, config: Config, metrics: Metrics,
                           opened: contextlib.AsyncExitStack,
-                          open_storage: StorageOpener) -> None:
+                          open_storage: StorageOpener, audit: AuditLog) -> None:
     """Build the long-lived objects into app, their closing pushed onto `opened`."""
+    try:  # first: an audit log that cannot be written stops the start
+        await quick(audit.open)
+    except OSError as exc:
+        raise ProxyError(f"server.audit_log {audit.target}: cannot open it: "
+                         f"{exc.strerror or exc}") from None
+    opened.callback(audit.close)
     if config.auth.enabled:  # first: a key that cannot be used stops the start at once
         key = await quick(load_signing_key, StatePaths(config.server.state_dir).signing_key)
         app[SIGNER_KEY] = UrlSigner(key, config.auth.signed_url_ttl)
@@ -111,7 +122,7 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     opened.push_async_callback(packages.close)
     stored = StoredPackages(packages, archives, config.upstream)
     opened.push_async_callback(stored.close)
-    fills = PackageFills(packages, stored, archives, config.upstream, metrics)
+    fills = PackageFills(packages, stored, archives, config.upstream, metrics, audit)
     opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
     mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics)
     opened.push_async_callback(mirror.close)
@@ -123,7 +134,7 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     opened.push_async_callback(git_gate.close)
     sources = ModuleSourceFetcher(http, config.modules, git_ca, git_gate)
     modules = ModuleRegistry(ModuleRegistryClient(http, discovery), sources, cache, archives,
-                             config.upstream, metrics, filters)
+                             config.upstream, metrics, filters, audit)
     opened.push_async_callback(modules.close)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror

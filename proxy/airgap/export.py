@@ -23,9 +23,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from proxy.airgap.constraints import newest_matching
 from proxy.airgap.manifest import FORMAT, MANIFEST, SIGNATURE, BundleError, Counts, file_entry
+from proxy.airgap.publish import opened_audit
 from proxy.airgap.signing import ManifestSigner
 from proxy.airgap.sources import Requirement
 from proxy.config.settings import Config
+from proxy.core.audit import Artifact, AuditLog, key_id, local_user
 from proxy.core.errors import ProxyError
 from proxy.core.executors import slow_then_close
 from proxy.core.metrics import Metrics
@@ -89,22 +91,23 @@ def export_bundle(config: Config, output: Path,
     """Write the cache (or what requirements select from it) as a tar bundle, its manifest
     signed by signer (None: unsigned). The cache is the bucket of cache.s3 if set, else the
     cache directory."""
-    return asyncio.run(_export(config, output, requirements, signer))
+    with opened_audit(config) as audit:
+        return asyncio.run(_export(config, output, requirements, signer, audit))
 
 
 async def _export(config: Config, output: Path, requirements: list[Requirement] | None,
-                  signer: ManifestSigner | None) -> Counts:
+                  signer: ManifestSigner | None, audit: AuditLog) -> Counts:
     async with AsyncExitStack() as opened:
         try:
-            storage = await _open_storage(config, opened)
-            return await _export_from(storage, output, requirements, signer)
+            storage = await open_cache_for_reading(config, opened)
+            return await _export_from(storage, output, requirements, signer, audit)
         except (ProxyError, Conflict, BotoCoreError, ClientError, sqlite3.Error) as exc:
             reason = exc.message if isinstance(exc, ProxyError) else repr(exc)[:300]
             raise BundleError(f"cannot read the cache: {reason}; nothing was exported") \
                 from None
 
 
-async def _open_storage(config: Config, opened: AsyncExitStack) -> Storage:
+async def open_cache_for_reading(config: Config, opened: AsyncExitStack) -> Storage:
     """The store export reads: the bucket of cache.s3, or the cache directory (opened
     without the sweeping and measuring a starting proxy does)."""
     if config.cache.s3 is not None:
@@ -122,8 +125,10 @@ def _where(blobs: BlobStore, key: str) -> str:
 
 
 async def _export_from(storage: Storage, output: Path, requirements: list[Requirement] | None,
-                       signer: ManifestSigner | None) -> Counts:
+                       signer: ManifestSigner | None, audit: AuditLog) -> Counts:
     index = storage.index
+    # Recorded once the bundle is written: (artifact, bytes, sha256, signing key ID).
+    lines: list[tuple[Artifact, int, str, str | None]] = []
     packages = await _stored_packages(storage)
     modules = await _stored_modules(storage)
     held: dict[str, set[str]] = {}
@@ -183,6 +188,9 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
                     add_listed(entry["sums"], bytes(sums["sums"]))
                     add_listed(entry["signature"], bytes(sums["signature"]))
                 manifest["providers"].append(entry)
+                lines.append((Artifact.provider(provider, version, platform),
+                              manifest["files"][entry["zip"]]["size"], record["shasum"],
+                              key_id(sums.get("signed_by"))))
                 versions = await index.get(layout.version_list_record(provider))
                 if isinstance(versions, dict):
                     manifest["versions"][str(provider)] = [
@@ -200,6 +208,8 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
                     "archive": member})
+                lines.append((Artifact.module(module, version), manifest["files"][member]["size"],
+                              manifest["files"][member]["sha256"], None))
             # The signature covers these exact bytes, and through them every member.
             manifest_bytes = json.dumps(manifest, indent=1).encode()
             add_data(MANIFEST, manifest_bytes)
@@ -208,6 +218,10 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
         os.replace(temp, output)
     except OSError as exc:
         raise BundleError(f"cannot write {output}: {exc}") from None
+    user, signed_by = local_user(), signer.fingerprint if signer is not None else None
+    for artifact, size, sha256, signing_key in lines:
+        audit.record("exported", artifact, user=user, bundle=str(output),
+                     bundle_signed_by=signed_by, bytes=size, sha256=sha256, key_id=signing_key)
     exported = {f"{e['hostname']}/{e['namespace']}/{e['type']}"
                 for e in manifest["providers"]} | {
         f"{e['hostname']}/{e['namespace']}/{e['name']}/{e['system']}"

@@ -29,7 +29,9 @@ from proxy.airgap.manifest import (
     stage,
 )
 from proxy.airgap.mirror_import import import_mirror
+from proxy.airgap.publish import opened_audit
 from proxy.config.settings import Config
+from proxy.core.audit import Artifact, AuditLog, key_id, local_user
 from proxy.core.errors import IntegrityError
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
@@ -40,8 +42,9 @@ from proxy.verification.signatures import verify_detached
 
 
 def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
-                     trusted_keys: list[str] | None) -> VerifiedPackage:
-    """Every check a live fill makes, on the staged files; BundleError names what failed."""
+                     trusted_keys: list[str] | None) -> tuple[VerifiedPackage, str | None]:
+    """Every check a live fill makes, on the staged files, and the fingerprint of the key
+    that signed the SHA256SUMS (None: unsigned); BundleError names what failed."""
     sums = staged[entry.sums].read_bytes()
     signature = staged[entry.signature].read_bytes()
     # The registry's signature must verify with the keys the exporter fetched with the
@@ -50,9 +53,10 @@ def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
         or entry.provider.hostname not in UNSIGNED_ALLOWED_HOSTS else []
     if trusted_keys is not None:  # the operator's extra check: these keys must agree
         checks.append((trusted_keys, "any of the --trusted-keys"))
+    signed_by = None
     for keys, which in checks:
         try:
-            verify_detached(sums, signature, keys)
+            signed_by = signed_by or verify_detached(sums, signature, keys)
         except IntegrityError as exc:
             raise BundleError(f"{entry.signature}: the signature does not verify with "
                               f"{which} ({exc.message})") from None
@@ -68,7 +72,7 @@ def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
     if entry.h1 is not None and entry.h1 != h1:
         raise BundleError(f"{entry.zip}: h1 does not match")
     return VerifiedPackage(entry.filename, entry.shasum, h1, zip_path.stat().st_size,
-                           entry.sums_id, entry.document)
+                           entry.sums_id, entry.document), signed_by
 
 
 def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.Cert] | None,
@@ -82,15 +86,15 @@ def import_bundle(config: Config, bundle: Path, bundle_keys: Sequence[pysequoia.
     with."""
     tar = open_bundle(bundle)
     try:
-        with tar:
-            return _import_from(config, tar, bundle_keys, trusted_keys)
+        with tar, opened_audit(config) as audit:
+            return _import_from(config, tar, bundle_keys, trusted_keys, audit, bundle)
     except (tarfile.TarError, EOFError, RecursionError, UnicodeDecodeError) as exc:
         raise BundleError(f"the bundle cannot be read: {exc!r}"[:300]) from None
 
 
 def _import_from(config: Config, tar: tarfile.TarFile,
                  bundle_keys: Sequence[pysequoia.Cert] | None,
-                 trusted_keys: list[str] | None) -> Counts:
+                 trusted_keys: list[str] | None, audit: AuditLog, bundle: Path) -> Counts:
     members = members_of(tar)
     manifest_bytes = read_small(tar, members, MANIFEST)
     # Origin first, then the manifest's promises about the tar's members and what it says
@@ -105,23 +109,38 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                        "the bundle's members")
     with import_target(config) as target:
         staged = stage(tar, members, listed, target.work_dir())
-        packages = [(entry, _verify_provider(entry, staged, trusted_keys))
+        verified = [(entry, *_verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
+        packages = [(entry, package) for entry, package, _signer in verified]
         old_packages = _plan_packages(target, staged, packages)
         old_modules = _plan_modules(target, staged, listed, contents.modules)
         for version_list in contents.versions:
             plan_list(target, layout.version_list_record(version_list.provider),
                       list(version_list.entries), lambda v: v["version"])
         target.apply()
-    return Counts(len(packages) - old_packages, len(contents.modules) - old_modules,
-                  signed_by=signed_by, present=old_packages + old_modules)
+    user, source = local_user(), str(bundle)
+    for entry, package, signer in verified:
+        audit.record("imported", Artifact.provider(entry.provider, entry.version,
+                                                   entry.platform),
+                     outcome="present" if entry.record_key in old_packages else "ok",
+                     user=user, bundle=source, bundle_signed_by=signed_by or None,
+                     bytes=package.size, sha256=package.shasum, key_id=key_id(signer))
+    for module in contents.modules:
+        size, sha256 = listed[module.archive]
+        audit.record("imported", Artifact.module(module.module, module.version),
+                     outcome="present" if module.archive_key in old_modules else "ok",
+                     user=user, bundle=source, bundle_signed_by=signed_by or None,
+                     bytes=size, sha256=sha256)
+    return Counts(len(packages) - len(old_packages), len(contents.modules) - len(old_modules),
+                  signed_by=signed_by, present=len(old_packages) + len(old_modules))
 
 
 def _plan_packages(target: ImportTarget, staged: dict[str, Path],
-                   packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> int:
-    """Plan the packages' files and records; returns how many the cache already holds. What
-    the cache holds stays: a different package under the same name refuses the bundle."""
-    present = 0
+                   packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> set[str]:
+    """Plan the packages' files and records; returns the record keys of those the cache
+    already holds. What the cache holds stays: a different package under the same name
+    refuses the bundle."""
+    present = set()
     for entry, package in packages:
         existing = target.record(entry.record_key)
         if isinstance(existing, dict) and existing.get("shasum") != package.shasum:
@@ -139,7 +158,7 @@ def _plan_packages(target: ImportTarget, staged: dict[str, Path],
                 "signed_by": "", "url": ""})
         if isinstance(existing, dict) \
                 and target.blob_sha256(entry.archive_key) == package.shasum:
-            present += 1
+            present.add(entry.record_key)
             continue
         target.put_file(staged[entry.zip], entry.archive_key)
         target.set_record(entry.record_key, asdict(package))
@@ -147,16 +166,16 @@ def _plan_packages(target: ImportTarget, staged: dict[str, Path],
 
 
 def _plan_modules(target: ImportTarget, staged: dict[str, Path],
-                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> int:
+                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> set[str]:
     """Plan the module archives, the sha256 each is served and exported against, and their
-    version lists; returns how many the cache already holds. A different archive under the
-    same name refuses the bundle."""
-    present = 0
+    version lists; returns the store keys of those the cache already holds. A different
+    archive under the same name refuses the bundle."""
+    present = set()
     for entry in modules:
         size, sha256 = listed[entry.archive]
         held = target.blob_sha256(entry.archive_key)
         if held == sha256:
-            present += 1
+            present.add(entry.archive_key)
         elif held is not None:
             raise BundleError(f"{entry.archive}: the cache holds a different module "
                               "archive under this name")
@@ -173,7 +192,8 @@ def _plan_modules(target: ImportTarget, staged: dict[str, Path],
 
 def import_mirror_directory(config: Config, directory: Path) -> Counts:
     """Import what `terraform providers mirror` wrote (see proxy.airgap.mirror_import)."""
-    imported, present = import_mirror(config, directory)
+    with opened_audit(config) as audit:
+        imported, present = import_mirror(config, directory, audit)
     return Counts(imported, 0, present=present)
 
 

@@ -19,6 +19,7 @@ from proxy.airgap.import_target import import_target, plan_list
 from proxy.airgap.manifest import BundleError
 from proxy.airgap.publish import check_room
 from proxy.config.settings import Config
+from proxy.core.audit import Artifact, AuditLog, local_user
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
@@ -30,7 +31,7 @@ _CHUNK = 1 << 20
 _MAX_MIRROR_DOCUMENT = 8 << 20
 
 
-def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
+def import_mirror(config: Config, directory: Path, audit: AuditLog) -> tuple[int, int]:
     """Import a mirror directory; returns how many packages were new to the cache, and how
     many it held already. Every zip is checked against the h1 (or zh) hashes its
     VERSION.json lists. Such packages serve the network mirror protocol, not the registry
@@ -39,6 +40,7 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
     check_room(config.cache.dir, sum(path.lstat().st_size for *_rest, path in found),
                "the directory's packages")
     documents: dict[Path, Any] = {}
+    lines: list[tuple[Artifact, str, int, str]] = []  # recorded once the import is applied
     with import_target(config) as target:
         present = 0
         for provider, version, platform, zip_path in found:
@@ -65,17 +67,25 @@ def import_mirror(config: Config, directory: Path) -> tuple[int, int]:
                                   "under this name")
             filename = provider.archive_filename(version, platform)
             archive = layout.provider_archive(provider, version, platform)
+            artifact = Artifact.provider(provider, version, platform)
+            size = copy.stat().st_size
             if isinstance(existing, dict) and target.blob_sha256(archive) == sha:
                 present += 1  # the same package, maybe with more facts: keep those
+                lines.append((artifact, "present", size, sha))
                 continue
+            lines.append((artifact, "ok", size, sha))
             target.put_file(copy, archive)
             if not isinstance(existing, dict):
-                target.set_record(key, asdict(VerifiedPackage(
-                    filename, sha, h1, copy.stat().st_size)))
+                target.set_record(key, asdict(VerifiedPackage(filename, sha, h1, size)))
             plan_list(target, layout.version_list_record(provider), [
                 {"version": version, "protocols": [], "platforms": [platform.key]}],
                 lambda v: v["version"])
         target.apply()
+    user = local_user()
+    for artifact, outcome, size, sha in lines:
+        # Nothing signed these: the hashes in the directory's VERSION.json vouch for them.
+        audit.record("imported", artifact, outcome=outcome, user=user,
+                     bundle=str(directory), bytes=size, sha256=sha)
     return len(found) - present, present
 
 

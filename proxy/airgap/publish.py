@@ -6,15 +6,35 @@ from __future__ import annotations
 
 import logging
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from proxy.airgap.manifest import BundleError
+from proxy.config.settings import Config
+from proxy.core.audit import AuditLog
 from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_import import INDEX_WRITE_ERRORS, CacheChanges
 from proxy.store.disk_space import free_bytes
 from proxy.verification.hashes import sha256_of_path
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def opened_audit(config: Config) -> Iterator[AuditLog]:
+    """The configured audit log (server.audit_log), open for a command's lines; BundleError
+    if it cannot be opened (checked before any work: nothing then goes unrecorded)."""
+    audit = AuditLog(config.server.audit_log)
+    try:
+        audit.open()
+    except OSError as exc:
+        raise BundleError(f"server.audit_log {config.server.audit_log}: cannot open it: "
+                          f"{exc.strerror or exc}") from None
+    try:
+        yield audit
+    finally:
+        audit.close()
 
 
 def apply_changes(changes: CacheChanges) -> None:

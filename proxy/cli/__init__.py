@@ -1,5 +1,5 @@
 """Command line: `serve`, `client-config`, `healthcheck`, `tls`, and the air-gap commands
-`warm`, `export`, `import` and `keygen`, and `prune`; one module per command group."""
+`warm`, `export`, `import`, `keygen` and `keys`, and `prune`; one module per command group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from proxy.cli.arguments import build_parser
 from proxy.cli.client_config import render_client_config
 from proxy.cli.healthcheck import healthcheck
-from proxy.cli.keys import keygen, tls
+from proxy.cli.keys import keygen, keys_export, tls
 from proxy.cli.logs import configure_logging
 from proxy.cli.prune import prune_command
 from proxy.cli.serve import serve
@@ -38,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tls":
         return tls(config, args.action)
+    if args.command == "keys":
+        return keys_export(config, args.output)
     if args.command == "healthcheck":
         return healthcheck(config)
     if args.command in ("warm", "export", "import"):

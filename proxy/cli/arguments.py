@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "directory) and add it to the cache"),
                        ("keygen", "write a key pair that signs bundles (export "
                                   "--signing-key) and verifies them (import --bundle-key)"),
+                       ("keys", "export the registry signing keys the cache holds, per "
+                                "provider namespace (for review and import --trusted-keys)"),
                        ("tls", "show the generated CA, or replace it (rotate)"),
                        ("prune", "remove what the cache holds that was not used lately "
                                  "(run it from cron)")):
@@ -100,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  help=f"where to write {SECRET_KEY_FILE} (keep it on the "
                                       f"exporting side) and {PUBLIC_KEY_FILE} (for importers)"
                                       "; existing files are never overwritten")
+        if name == "keys":
+            command.add_argument("action", choices=("export",),
+                                 help="export: list the keys (key ID, fingerprint, the "
+                                      "providers they sign), and write them with --output")
+            command.add_argument("--output", type=Path, metavar="DIR|FILE.asc",
+                                 help="FILE.asc: every key in one armored file (import "
+                                      "--trusted-keys takes it); a directory: "
+                                      "HOST/NAMESPACE.asc per namespace and keys.json")
         if name == "tls":
             command.add_argument(
                 "action", choices=("show", "rotate"),

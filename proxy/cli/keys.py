@@ -1,5 +1,5 @@
-"""`keygen` (the key pair that signs and verifies bundles) and `tls` (show or rotate the
-generated CA)."""
+"""`keygen` (the key pair that signs and verifies bundles), `keys export` (the registry
+signing keys the cache holds) and `tls` (show or rotate the generated CA)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,26 @@ def keygen(directory: Path) -> int:
     print(f"wrote {pair.secret} (secret: it signs bundles; keep it on the exporting side)\n"
           f"wrote {pair.public} (public: importers verify with it, import --bundle-key)\n"
           f"fingerprint {pair.fingerprint} (compare it with the importers' copy)")
+    return 0
+
+
+def keys_export(config: Config, output: Path | None) -> int:
+    """`keys export`: list the registry signing keys the cache holds, per provider
+    namespace, and write them to output (a .asc file, or a directory) if given."""
+    configure_logging(logging.WARNING, COMMAND_FORMAT)
+    # Imported here: with it comes the S3 client library (see proxy.cli.main).
+    from proxy.airgap.keys_export import describe, held_keys, write_keys
+    from proxy.airgap.manifest import BundleError
+    try:
+        found = held_keys(config)
+        if not found:
+            return fail("the cache holds no verified provider package with signing keys")
+        written = write_keys(found, output) if output is not None else []
+    except BundleError as exc:
+        return fail(str(exc))
+    sys.stdout.write(describe(found))
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

@@ -10,6 +10,7 @@ from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.cli.workers import serve_workers
 from proxy.config import Config
+from proxy.core.audit import AuditLog
 from proxy.store.disk import probe_index
 from proxy.store.disk_space import describe_start_failure
 from proxy.tls.certificates import TlsStateError, ensure_certificate, ssl_context
@@ -43,6 +44,14 @@ def serve(config: Config) -> int:
             load_signing_key(StatePaths(server.state_dir).signing_key)
         except SigningKeyError as exc:
             return fail(f"cannot start: {exc}")
+    if server.audit_log is not None:
+        audit = AuditLog(server.audit_log)
+        try:  # once, here: each worker would fail with its own message
+            audit.open()
+            audit.close()
+        except OSError as exc:
+            return fail(f"server.audit_log {server.audit_log}: cannot open it: "
+                        f"{exc.strerror or exc}")
     if server.workers > 1:
         if config.cache.s3 is None:
             try:  # once, here, for the same reason: e.g. a full disk

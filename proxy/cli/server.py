@@ -21,7 +21,7 @@ from proxy.store.disk_space import describe_start_failure
 from proxy.web.access_log import JsonAccessLogger, PlainAccessLogger
 from proxy.web.auth import SigningKeyError
 from proxy.web.http_server import ProxyRunner
-from proxy.web.routes import METRICS_KEY
+from proxy.web.routes import AUDIT_KEY, METRICS_KEY
 from proxy.web.shutdown import StopSignals, stop_serving
 from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
 
@@ -85,6 +85,8 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
     signals = StopSignals()
     # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
     signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))
+    # logrotate's way: rename the file, then SIGHUP; the next audit line opens a new one.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, runner.app[AUDIT_KEY].reopen)
     await signals.stop.wait()
     log.info("shutting down: no new connections; responses under way get %g s to finish",
              server.shutdown_timeout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import time
@@ -45,11 +46,21 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
     signal.signal(signal.SIGINT, stop)
+    # Workers start with SIGHUP ignored (inherited) until they handle it (reopen the audit
+    # log): a SIGHUP forwarded during their start-up must not kill them.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     running = []
     for worker in workers:
         if deadline is None:  # not if a signal came meanwhile: it could not reach this one
             worker.start()
             running.append(worker)
+
+    def forward_hangup(_signum: int, _frame: object) -> None:
+        for worker in running:
+            if worker.pid is not None and worker.is_alive():
+                os.kill(worker.pid, signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, forward_hangup)
     log.info("started %d worker processes", len(running))
     code = 0
     while running:

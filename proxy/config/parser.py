@@ -34,6 +34,7 @@ from proxy.core.models import normalize_hostname
 
 # S3's rules for a bucket name: 3-63 lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def parse_tables(raw: dict[str, Any], problems: list[str]) -> Config:
@@ -117,10 +118,7 @@ class _Parser:
 
     def _auth(self, table: dict[str, Any]) -> AuthConfig:
         self._unknown(table, "auth.", ("tokens", "tokens_file", "signed_url_ttl"))
-        tokens = table.get("tokens", [])
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            self.problems.append("auth.tokens: expected a list of strings")
-            tokens = []
+        named = self._named_tokens(table.get("tokens", []))
         tokens_file = self._path("auth.tokens_file", table, "tokens_file")
         if tokens_file is not None:
             try:
@@ -129,8 +127,18 @@ class _Parser:
                 self.problems.append(f"auth.tokens_file: cannot read {str(tokens_file)!r}: "
                                      f"{exc.strerror}")
                 lines = []
-            tokens += [line.strip() for line in lines
-                       if line.strip() and not line.lstrip().startswith("#")]
+            # "TOKEN" or "NAME TOKEN" (a token has no spaces).
+            for line in lines:
+                words = line.split()
+                if words and not words[0].startswith("#"):
+                    named.append((words[0], words[-1]) if len(words) == 2 else ("", line.strip()))
+        tokens = [token for _name, token in named]
+        names = tuple(name for name, _token in named)
+        for name in names:
+            if name and not _TOKEN_NAME.fullmatch(name):
+                self.problems.append(f"auth.tokens: token name {name[:40]!r}: expected "
+                                     "letters, digits, '.', '_' or '-' (at most 64)")
+                break
         for token in tokens:
             if len(token) < 16 or not token.isprintable() or " " in token:
                 self.problems.append("auth.tokens: every token must be at least 16 printable "
@@ -138,7 +146,24 @@ class _Parser:
                 break
         ttl = self._number("auth.signed_url_ttl", table, "signed_url_ttl",
                            AuthConfig().signed_url_ttl)
-        return AuthConfig(tokens=tuple(Secret(t) for t in tokens), signed_url_ttl=ttl)
+        return AuthConfig(tokens=tuple(Secret(t) for t in tokens), signed_url_ttl=ttl,
+                          token_names=names)
+
+    def _named_tokens(self, raw: object) -> list[tuple[str, str]]:
+        """auth.tokens: strings, or {name = "...", token = "..."} tables; (name, token)
+        pairs, "" for no name."""
+        named: list[tuple[str, str]] = []
+        for entry in raw if isinstance(raw, list) else [None]:
+            if isinstance(entry, str):
+                named.append(("", entry))
+            elif isinstance(entry, dict) and set(entry) == {"name", "token"} \
+                    and all(isinstance(v, str) for v in entry.values()):
+                named.append((entry["name"], entry["token"]))
+            else:
+                self.problems.append('auth.tokens: expected a list of tokens, each a string '
+                                     'or { name = "...", token = "..." }')
+                return []
+        return named
 
     def _filters(self, table: dict[str, Any]) -> FiltersConfig:
         keys = ("providers", "exclude_providers", "modules", "exclude_modules", "platforms")
@@ -212,6 +237,7 @@ class _Parser:
             self.problems.append(f"server.access_log: expected plain, json or off, got "
                                  f"{access_log!r}")
             access_log = "plain"
+        audit_log = self._audit_log(table)
         workers = self._workers(table)
         event_loop = (self._str("server.event_loop", table, "event_loop") or "uvloop").lower()
         if event_loop not in ("uvloop", "asyncio"):
@@ -227,7 +253,8 @@ class _Parser:
 
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
-                            access_log=access_log, workers=workers, event_loop=event_loop,
+                            access_log=access_log, audit_log=audit_log, workers=workers,
+                            event_loop=event_loop,
                             shutdown_timeout=shutdown_timeout, state_dir=state_dir,
                             tls_handshake_timeout=seconds("tls_handshake_timeout"),
                             request_head_timeout=seconds("request_head_timeout"),
@@ -389,6 +416,19 @@ class _Parser:
             self.problems.append(f"{where}: expected a positive number, got {value!r}")
             return default
         return number
+
+    def _audit_log(self, table: dict[str, Any]) -> str | None:
+        """server.audit_log: a file path, "-" for stdout; unset or "" (the default): off."""
+        value = self._str("server.audit_log", table, "audit_log")
+        if not value or value == "-":
+            return value or None
+        path = Path(value).expanduser().absolute()
+        if path.is_dir():
+            self.problems.append(f"server.audit_log: {str(path)!r} is a directory; expected "
+                                 "a file path or \"-\" (stdout)")
+        elif not path.parent.is_dir():
+            self.problems.append(f"server.audit_log: no such directory {str(path.parent)!r}")
+        return str(path)
 
     def _workers(self, table: dict[str, Any]) -> int:
         """server.workers: a whole number, or "auto" (the default), one per CPU."""

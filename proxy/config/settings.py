@@ -59,6 +59,7 @@ class ServerConfig:
     public_url: str | None = None
     log_level: str = "info"
     access_log: str = "plain"  # "plain", "json" or "off"
+    audit_log: str | None = None  # a file path, "-" (stdout), or None: off
     # Processes serving one port (SO_REUSEPORT), sharing the cache; "auto": one per CPU.
     workers: int = field(default_factory=available_cpus)
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
@@ -200,6 +201,15 @@ class AuthConfig:
 
     tokens: tuple[Secret, ...] = ()
     signed_url_ttl: float = 3600.0
+    # What logs call each token (by position; "token-N" for one given no name): the audit
+    # log names who asked, never the token.
+    token_names: tuple[str, ...] = ()
+
+    def name_of(self, index: int) -> str:
+        """The name of the token at index in tokens."""
+        if index < len(self.token_names) and self.token_names[index]:
+            return self.token_names[index]
+        return f"token-{index + 1}"
 
     @property
     def enabled(self) -> bool:
@@ -234,6 +244,7 @@ class Config:
 # dots are underscores: TF_REGISTRY_PROXY_CACHE_S3_BUCKET).
 ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
+               "audit_log",
                "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
                "request_head_timeout", "keepalive_timeout", "max_connections"),
     "cache": ("dir", "max_size", "lease_seconds"),

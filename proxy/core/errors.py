@@ -36,6 +36,15 @@ class NotFound(ProxyError):
     status = 404
 
 
+class NotServed(NotFound):
+    """The proxy does not serve this at all: its host is not allowed, or filters leave it
+    out."""
+
+
+class UnknownVersion(NotFound):
+    """The version asked for is not one the registry lists."""
+
+
 class UpstreamNotFound(NotFound):
     """Upstream answered 404."""
 
@@ -59,9 +68,13 @@ class UpstreamError(ProxyError):
 class IntegrityError(UpstreamError):
     """Upstream bytes failed verification (checksum, SHA256SUMS entry or signature)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, *, signed_by: str | None = None,
+                 keys_tried: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.kind = kind
+        # For a signature that does not verify: the key ID that made it, and those tried.
+        self.signed_by = signed_by
+        self.keys_tried = keys_tried
 
 
 class UpstreamTimeout(UpstreamError):

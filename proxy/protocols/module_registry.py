@@ -19,7 +19,8 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
-from proxy.core.errors import NotFound, Offline, ProxyError
+from proxy.core.audit import NO_AUDIT, Artifact, AuditLog
+from proxy.core.errors import Offline, ProxyError, UnknownVersion
 from proxy.core.executors import quick, slow
 from proxy.core.json_bodies import JsonBody
 from proxy.core.metrics import Metrics
@@ -57,8 +58,9 @@ class ModuleRegistry:
 
     def __init__(self, client: ModuleRegistryClient, sources: ModuleSourceFetcher,
                  cache: MetadataIndex, archives: BlobStore, config: UpstreamConfig,
-                 metrics: Metrics, filters: Filters) -> None:
+                 metrics: Metrics, filters: Filters, audit: AuditLog = NO_AUDIT) -> None:
         self._client = client
+        self._audit = audit
         self._sources = sources
         self._cache = cache
         self._archives = archives
@@ -105,7 +107,7 @@ class ModuleRegistry:
             raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
                           "offline")
         if version not in await self._versions(module, wanted=version):
-            raise NotFound(f"module {module} has no version {version}")
+            raise UnknownVersion(f"module {module} has no version {version}")
         self._start_fill(module, version)
 
     async def archive(self, module: ModuleAddress, version: str) -> BlobInfo:
@@ -219,15 +221,20 @@ class ModuleRegistry:
 
     async def _fetch(self, module: ModuleAddress, version: str) -> BlobInfo:
         if version not in await self._versions(module, wanted=version):
-            raise NotFound(f"module {module} has no version {version}")
+            raise UnknownVersion(f"module {module} has no version {version}")
         location = await self._client.download_location(module, version)
         source = parse_source(location)
         log.info("fetching module %s %s from %s", module, version, mask_secrets(source.url))
         async with self._fill_slots:
-            return await self._build(module, version, source)
+            built, sha256 = await self._build(module, version, source)
+        self._audit.record("fetched", Artifact.module(module, version), cache="miss",
+                           bytes=built.size, sha256=sha256,
+                           upstream_url=mask_secrets(source.url))
+        return built
 
     async def _build(self, module: ModuleAddress, version: str,
-                     source: ModuleSource) -> BlobInfo:
+                     source: ModuleSource) -> tuple[BlobInfo, str]:
+        """The archive packed from source, published, and its sha256."""
         work = await quick(self._archives.work_dir)
         self._metrics.fills_in_flight.inc()
         try:
@@ -244,7 +251,7 @@ class ModuleRegistry:
                 if published.identity != identity:
                     await self._record(module, version, sha256, published.identity)
                 self._checked.remember(published.key, published.identity)
-                return published
+                return published, sha256
             except BaseException:
                 packed.unlink(missing_ok=True)
                 raise

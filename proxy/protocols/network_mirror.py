@@ -16,6 +16,7 @@ from proxy.core.errors import (
     InsufficientStorage,
     IntegrityError,
     NotFound,
+    NotServed,
     Offline,
     ProxyError,
     UpstreamError,
@@ -189,7 +190,7 @@ class ProviderMirror:
         self._packages.require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
         if not self._filters.platform_allowed(platform):
-            raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
+            raise NotServed(f"{platform.key} packages are not served by this proxy (filters)")
         stored = await self._stored.stored(provider, version, platform)
         if stored is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.core.errors import NotFound, UpstreamError, UpstreamNotFound
+from proxy.core.errors import NotFound, UnknownVersion, UpstreamError, UpstreamNotFound
 from proxy.core.models import ModuleAddress, is_valid_module_version
 from proxy.modules.sources import resolve_location
 from proxy.upstream.discovery import Discovery
@@ -43,7 +43,7 @@ class ModuleRegistryClient:
         fetched = await self._http.get(url, module.hostname, MAX_JSON_BYTES,
                                        authenticate=True)
         if fetched.status == 404:
-            raise NotFound(f"upstream has no version {version} of module {module}")
+            raise UnknownVersion(f"upstream has no version {version} of module {module}")
         if fetched.status not in (200, 204):
             raise UpstreamError(f"upstream {module.hostname} answered {fetched.status} for "
                                 f"the download of {module} {version}")

@@ -10,6 +10,7 @@ import logging
 from dataclasses import replace
 
 from proxy.config import UpstreamConfig
+from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, key_id
 from proxy.core.errors import IntegrityError, NotFound
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
@@ -31,8 +32,10 @@ class PackageFills:
     """Fetches, verifies and stores provider packages that are not held yet."""
 
     def __init__(self, packages: VerifiedPackages, stored: StoredPackages,
-                 archives: BlobStore, config: UpstreamConfig, metrics: Metrics) -> None:
+                 archives: BlobStore, config: UpstreamConfig, metrics: Metrics,
+                 audit: AuditLog = NO_AUDIT) -> None:
         self._packages = packages
+        self._audit = audit
         self._stored = stored
         self._archives = archives
         self._max_size = config.max_archive_size
@@ -95,6 +98,11 @@ class PackageFills:
                                                        f"{platform.key}: {exc.message}") from None
             finally:
                 self._metrics.fills_in_flight.dec()
+        self._audit.record(
+            "fetched", Artifact.provider(provider, version, platform), cache="miss",
+            bytes=stored.info.size, sha256=package.shasum,
+            upstream_url=mask_secrets(info.download_url),
+            key_id=key_id(await self._packages.signer(provider, version, package.sums_id)))
         # The record that vouches for the file was saved (vouch); its h1 (a full read, at the
         # lowest priority: clients may still be downloading it) now.
         await self._stored.record_h1(

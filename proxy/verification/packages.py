@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
-from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.errors import IntegrityError, UnknownVersion
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
@@ -110,7 +110,7 @@ class VerifiedPackages:
         for entry in await self.version_list(provider, wanted=version):
             if entry.version == version:
                 return entry
-        raise NotFound(f"{provider} has no version {version}")
+        raise UnknownVersion(f"{provider} has no version {version}")
 
     async def current_download(self, provider: ProviderAddress, version: str,
                                platform: Platform) -> tuple[DownloadInfo, VerifiedPackage]:
@@ -232,6 +232,16 @@ class VerifiedPackages:
             return None
         return bytes(record["sums"]), bytes(record["signature"])
 
+    async def signer(self, provider: ProviderAddress, version: str,
+                     name: str | None) -> str | None:
+        """The fingerprint of the key whose signature over the SHA256SUMS `name` verified
+        (None: not known, or accepted unsigned)."""
+        if name is None:
+            return None
+        record = await self._cache.get(layout.sums_record(provider, version, name))
+        signed_by = record.get("signed_by") if isinstance(record, dict) else None
+        return signed_by if isinstance(signed_by, str) and signed_by else None
+
     async def signed_sums(self, provider: ProviderAddress, version: str,
                           info: DownloadInfo) -> bytes:
         """SHA256SUMS bytes whose signature verified (cached: immutable once verified)."""
@@ -257,16 +267,20 @@ class VerifiedPackages:
                 signed_by = await quick(
                     verify_detached, sums, signature, info.signing_keys)
             except IntegrityError as exc:
-                raise self.integrity(exc.kind, f"{provider}: {exc.message}") from None
+                raise self.integrity(exc.kind, f"{provider}: {exc.message}", exc) from None
         await self._cache.set(key, {"sums": sums, "signature": signature,
                                     "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
 
-    def integrity(self, kind: str, message: str) -> IntegrityError:
-        """Count, log and return an integrity failure."""
+    def integrity(self, kind: str, message: str,
+                  cause: IntegrityError | None = None) -> IntegrityError:
+        """Count, log and return an integrity failure (with the key IDs cause names)."""
         self._metrics.integrity_failures.labels(kind).inc()
         log.error("integrity failure (%s): %s", kind, message)
-        return IntegrityError(kind, message)
+        if cause is None:
+            return IntegrityError(kind, message)
+        return IntegrityError(kind, message, signed_by=cause.signed_by,
+                              keys_tried=cause.keys_tried)
 
 
 def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:

@@ -9,11 +9,24 @@ import pysequoia
 from proxy.core.errors import IntegrityError
 
 
+def key_id_of(cert: pysequoia.Cert) -> str:
+    """The 16-hex-digit key ID of a certificate's primary key (what registries list as
+    `key_id`), upper case."""
+    return str(cert.fingerprint)[-16:].upper()
+
+
+def issuer_of(sig: pysequoia.Sig) -> str | None:
+    """The key ID that made a signature, as the signature names it (None: it names none)."""
+    issuer = sig.issuer_fingerprint or sig.issuer_key_id
+    return str(issuer)[-16:].upper() if issuer else None
+
+
 def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str]) -> str:
     """Check that `signature` is a valid signature over `data` by one of `armored_keys`.
 
-    Returns the fingerprint of the key that signed. Raises IntegrityError otherwise; an empty
-    key list is a failure (the caller decides the rare hosts where unsigned is allowed).
+    Returns the fingerprint of the key that signed. Raises IntegrityError otherwise, naming
+    the key ID that made the signature and the key IDs tried; an empty key list is a failure
+    (the caller decides the rare hosts where unsigned is allowed).
     """
     if not armored_keys:
         raise IntegrityError("signature", "upstream offered no signing keys")
@@ -30,14 +43,22 @@ def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str]) 
     except Exception:
         raise IntegrityError("signature", "the SHA256SUMS signature is not an OpenPGP "
                              "signature") from None
+    tried = tuple(dict.fromkeys(key_id_of(cert) for cert in certs))
+    issuer = issuer_of(sig)
+    # The operator's first question about a bad signature: which key made it, and which
+    # keys were expected (a rotated or foreign key, or bytes changed after signing).
+    named = (f"made by key {issuer or '(unnamed)'}; tried key"
+             f"{'s' if len(tried) > 1 else ''} {', '.join(tried)}")
     try:
         result = pysequoia.verify(bytes=data, signature=sig, store=lambda _ids: certs)
     except Exception as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise IntegrityError("signature", "SHA256SUMS signature does not verify with "
-                             f"upstream's signing keys: {first_line}") from None
+                             f"upstream's signing keys ({named}): {first_line}",
+                             signed_by=issuer, keys_tried=tried) from None
     valid = list(getattr(result, "valid_sigs", []) or [])
     if not valid:
         raise IntegrityError("signature", "SHA256SUMS signature does not verify with "
-                             "upstream's signing keys")
+                             f"upstream's signing keys ({named})",
+                             signed_by=issuer, keys_tried=tried)
     return str(valid[0].certificate)

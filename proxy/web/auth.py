@@ -19,6 +19,8 @@ from proxy.core.errors import Unauthorized
 from proxy.web.url_signing import EXPIRES, SIGNATURE, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
+# The name of the token a request authenticated with (never the token: see AuthConfig).
+TOKEN_NAME_KEY = web.RequestKey("token_name", str)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
@@ -73,14 +75,25 @@ def _read_signing_key(path: Path) -> bytes:
     return key
 
 
-def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:
+def _bearer_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None:
+    """The index of the token the request presents, None if none."""
     header = request.headers.get("Authorization", "")
     scheme, _, presented = header.partition(" ")
     if scheme.lower() != "bearer" or not presented:
-        return False
+        return None
     given = presented.strip().encode()
     # Compare against every token, so the time taken does not say which one nearly matched.
-    return sum(hmac.compare_digest(given, token) for token in tokens) > 0
+    matches = [hmac.compare_digest(given, token) for token in tokens]
+    return matches.index(True) if True in matches else None
+
+
+def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfig) -> bool:
+    """Whether the request presents one of tokens; notes its name on the request."""
+    index = _bearer_match(request, tokens)
+    if index is None:
+        return False
+    request[TOKEN_NAME_KEY] = config.name_of(index)
+    return True
 
 
 def auth_middleware(config: AuthConfig) -> Middleware:
@@ -92,7 +105,7 @@ def auth_middleware(config: AuthConfig) -> Middleware:
         route = getattr(request.match_info.route, "name", None)
         if not config.enabled or route in _ANONYMOUS_ROUTES or route is None:
             return await handler(request)
-        if _bearer_ok(request, tokens):
+        if _bearer_ok(request, tokens, config):
             return await handler(request)
         if request.path.endswith(_ARCHIVE_SUFFIXES) or route == "provider_sums":
             signer = request.app[SIGNER_KEY]

@@ -7,8 +7,10 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from proxy.config import Config
+from proxy.core.audit import NO_AUDIT, AuditLog
 from proxy.core.errors import NotFound
 from proxy.core.executors import quick
 from proxy.core.held import Derived
@@ -26,6 +28,7 @@ from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
+from proxy.web.audit_requests import audited
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_body_response, json_response, send_file
 
@@ -39,6 +42,7 @@ MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
 REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
 ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
+AUDIT_KEY = web.AppKey("audit_log", AuditLog)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
@@ -235,21 +239,22 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
     raise NotFound(f"no such module document {action[:120]!r}")
 
 
-def add_routes(app: web.Application) -> None:
-    """Every route the proxy serves."""
+def add_routes(app: web.Application, audit: AuditLog = NO_AUDIT) -> None:
+    """Every route the proxy serves; those that name an artifact write audit lines."""
     app[BODIES_KEY] = Derived(_HELD_BODIES)
-    app.router.add_get("/healthz", healthz, name="healthz")
-    app.router.add_get("/readyz", readyz, name="readyz")
-    app.router.add_get("/metrics", metrics, name="metrics")
-    app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
-    app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
-                       name="mirror")
+
+    def get(path: str, handler: Handler, name: str) -> None:
+        app.router.add_get(path, audited(name, handler, audit), name=name)
+
+    get("/healthz", healthz, "healthz")
+    get("/readyz", readyz, "readyz")
+    get("/metrics", metrics, "metrics")
+    get("/.well-known/terraform.json", discovery, "discovery")
+    get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file, "mirror")
     provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"
-    app.router.add_get(provider + "/versions", provider_versions, name="provider_versions")
-    app.router.add_get(provider + "/{version}/download/{os}/{arch}", provider_download,
-                       name="provider_download")
-    app.router.add_get(provider + "/{version}/sums/{sums}/{file}", provider_sums,
-                       name="provider_sums")
+    get(provider + "/versions", provider_versions, "provider_versions")
+    get(provider + "/{version}/download/{os}/{arch}", provider_download, "provider_download")
+    get(provider + "/{version}/sums/{sums}/{file}", provider_sums, "provider_sums")
     module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
-    app.router.add_get(module + "/versions", module_versions, name="module_versions")
-    app.router.add_get(module + "/{version}/{action}", module_version_file, name="module")
+    get(module + "/versions", module_versions, "module_versions")
+    get(module + "/{version}/{action}", module_version_file, "module")
