@@ -121,6 +121,26 @@ async def test_the_token_name_is_logged_never_the_token(
     assert TOKEN not in log.read_text() and "abcdefghij" not in log.read_text()
 
 
+async def test_archives_fetched_through_signed_urls_name_the_token_that_asked(
+        make: AppClient, registry: FakeRegistry, tmp_path: Path) -> None:
+    """Terraform fetches archives without credentials, through the signed URLs the version
+    document hands out: the URL carries the name of the token that asked for it, signed."""
+    log = tmp_path / "audit.log"
+    client = await make(extra=f'[auth]\ntokens = [{{ name = "ci-runner", token = "{TOKEN}" }}]\n',
+                        server_audit_log=str(log))
+    document = await client.get(f"{BASE}/3.2.1.json",
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+    url = (await document.json())["archives"]["linux_amd64"]["url"]
+    assert "by=ci-runner" in url
+    forged = url.replace("by=ci-runner", "by=someone-else")
+    assert (await client.get(f"{BASE}/{forged}")).status == 401
+    response = await client.get(f"{BASE}/{url}")  # no Authorization header
+    assert response.status == 200
+    await response.read()
+    [served] = events(log, "served")
+    assert served["token"] == "ci-runner" and served["client"] == "127.0.0.1"
+
+
 async def test_a_bad_signature_names_the_key_that_made_it_and_the_keys_tried(
         make: AppClient, registry: FakeRegistry, signer: GpgKey, impostor: GpgKey,
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

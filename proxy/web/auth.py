@@ -16,7 +16,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from proxy.config.settings import AuthConfig
 from proxy.core.errors import Unauthorized
-from proxy.web.url_signing import EXPIRES, SIGNATURE, UrlSigner
+from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 # The name of the token a request authenticated with (never the token: see AuthConfig).
@@ -109,8 +109,11 @@ def auth_middleware(config: AuthConfig) -> Middleware:
             return await handler(request)
         if request.path.endswith(_ARCHIVE_SUFFIXES) or route == "provider_sums":
             signer = request.app[SIGNER_KEY]
+            signed_for = request.query.get(SIGNED_FOR)
             if signer.valid(request.path, request.query.get(EXPIRES),
-                            request.query.get(SIGNATURE)):
+                            request.query.get(SIGNATURE), signed_for=signed_for):
+                if signed_for:
+                    request[TOKEN_NAME_KEY] = signed_for
                 return await handler(request)
             raise Unauthorized("this archive URL is not validly signed or has expired: ask "
                                "for the version document again")

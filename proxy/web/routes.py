@@ -29,7 +29,7 @@ from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.audit_requests import audited
-from proxy.web.auth import SIGNER_KEY
+from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
 from proxy.web.responses import json_body_response, json_response, send_file
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         expires = signer.expiry()
         directory = request.path.rsplit("/", 1)[0]
         return json_body_response(request, _request_body(
-            request, request.path, document, expires,
+            request, (request.path, request.get(TOKEN_NAME_KEY)), document, expires,
             lambda: _with_signed_archives(request, document, directory, expires)))
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
@@ -138,7 +138,10 @@ def _signed(request: web.Request, path: str, url: str, expires: int | None = Non
     credentials (Terraform sends none to the URLs in these documents) when clients must
     authenticate: until expires (default: the expiry of a URL signed now)."""
     signer = request.app.get(SIGNER_KEY)
-    return url if signer is None else f"{url}?{signer.query(path, expires=expires)}"
+    if signer is None:
+        return url
+    # For the token that asked: the audit log names it when the archive is fetched.
+    return f"{url}?{signer.query(path, expires=expires, signed_for=request.get(TOKEN_NAME_KEY))}"
 
 
 def _public_url(request: web.Request, path: str, expires: int | None = None) -> str:
@@ -188,7 +191,8 @@ async def provider_download(request: web.Request) -> web.Response:
 
     # The URLs are absolute: on the base this client reached us at.
     return json_body_response(request, _request_body(
-        request, (request.path, public_base(request)), facts, expires, build))
+        request, (request.path, public_base(request), request.get(TOKEN_NAME_KEY)), facts,
+        expires, build))
 
 
 async def provider_sums(request: web.Request) -> web.Response:
