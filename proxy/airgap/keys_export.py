@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pysequoia
+from botocore.exceptions import BotoCoreError, ClientError
 
 from proxy.airgap.export import open_cache_for_reading
 from proxy.airgap.manifest import BundleError
 from proxy.config.settings import Config
+from proxy.core.errors import ProxyError
 from proxy.core.models import ProviderAddress
 from proxy.store import layout
+from proxy.store.disk import index_dir
+from proxy.store.index import MetadataCache
 from proxy.store.protocol import MetadataIndex
 from proxy.verification.signatures import key_id_of
 
@@ -50,11 +55,25 @@ HeldKeys = dict[str, dict[str, HeldKey]]
 
 
 def held_keys(config: Config) -> HeldKeys:
-    """Every signing key recorded with a verified package, per provider namespace."""
-    return asyncio.run(_read(config))
+    """Every signing key recorded with a verified package, per provider namespace;
+    BundleError if the cache cannot be read."""
+    try:
+        return asyncio.run(_read(config))
+    except (ProxyError, OSError, sqlite3.Error, BotoCoreError, ClientError) as exc:
+        reason = exc.message if isinstance(exc, ProxyError) else repr(exc)[:300]
+        raise BundleError(f"cannot read the cache: {reason}") from None
 
 
 async def _read(config: Config) -> HeldKeys:
+    if config.cache.s3 is None:  # the index alone: nothing else of the cache is touched
+        directory = index_dir(config.cache.dir)
+        if not directory.is_dir():
+            return {}
+        index = MetadataCache(directory)
+        try:
+            return await _collect(index)
+        finally:
+            index.close()
     async with AsyncExitStack() as opened:
         storage = await open_cache_for_reading(config, opened)
         return await _collect(storage.index)
