@@ -79,4 +79,5 @@ def test_exported_keys_are_what_import_trusts_on_the_other_side(
         assert line["bundle"] == str(bundle) and line["token"] is None
     # The other side's cache now holds the same keys.
     again = cli("keys", "export", "--config", str(inside), cwd=tmp_path)
-    assert again.returncode == 0 and signer_id in again.stdout
+    assert again.returncode == 0, again.stderr
+    assert f"key {signer_id}" in again.stdout and "signed 1 release(s)" in again.stdout

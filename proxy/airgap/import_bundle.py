@@ -112,7 +112,8 @@ def _import_from(config: Config, tar: tarfile.TarFile,
         verified = [(entry, *_verify_provider(entry, staged, trusted_keys))
                     for entry in contents.providers]
         packages = [(entry, package) for entry, package, _signer in verified]
-        old_packages = _plan_packages(target, staged, packages)
+        signers = {entry.sums_key: signer for entry, _package, signer in verified}
+        old_packages = _plan_packages(target, staged, packages, signers)
         old_modules = _plan_modules(target, staged, listed, contents.modules)
         for version_list in contents.versions:
             plan_list(target, layout.version_list_record(version_list.provider),
@@ -136,8 +137,10 @@ def _import_from(config: Config, tar: tarfile.TarFile,
 
 
 def _plan_packages(target: ImportTarget, staged: dict[str, Path],
-                   packages: list[tuple[ProviderEntry, VerifiedPackage]]) -> set[str]:
-    """Plan the packages' files and records; returns the record keys of those the cache
+                   packages: list[tuple[ProviderEntry, VerifiedPackage]],
+                   signers: dict[str, str | None]) -> set[str]:
+    """Plan the packages' files and records (with the fingerprint of the key each
+    SHA256SUMS verified with, in signers); returns the record keys of those the cache
     already holds. What the cache holds stays: a different package under the same name
     refuses the bundle."""
     present = set()
@@ -155,7 +158,7 @@ def _plan_packages(target: ImportTarget, staged: dict[str, Path],
         else:
             target.set_record(entry.sums_key, {
                 "sums": sums, "signature": staged[entry.signature].read_bytes(),
-                "signed_by": "", "url": ""})
+                "signed_by": signers.get(entry.sums_key) or "", "url": ""})
         if isinstance(existing, dict) \
                 and target.blob_sha256(entry.archive_key) == package.shasum:
             present.add(entry.record_key)
