@@ -142,13 +142,9 @@ async def _stream(request: web.Request, source: GrowingFile[BlobInfo], content_t
 
 # --- failures after the headers were sent --------------------------------------------------
 
+# Set when a response's status line and headers are committed (on_response_prepare), so that a
+# later failure is not answered with a second response.
 PREPARED_RESPONSE_KEY = web.RequestKey("prepared_response", web.StreamResponse)
-
-
-async def remember_prepared(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: note that this request's status line and headers are committed,
-    so that a later failure is not answered with a second response."""
-    request[PREPARED_RESPONSE_KEY] = response
 
 
 def _abort_reason(exc: BaseException) -> str:
