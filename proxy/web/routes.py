@@ -79,12 +79,13 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     info = request.match_info
     provider = ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
     name = info["name"]
-    mirror = request.app[MIRROR_KEY]
+    app = request.app
+    mirror = app[MIRROR_KEY]
     if name == "index.json":
         return json_body_response(request, await mirror.list_versions_body(provider))
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
-        signer = request.app.get(SIGNER_KEY)
+        signer = app.get(SIGNER_KEY)
         if signer is None:
             return json_body_response(request,
                                       await mirror.version_document_body(provider, version))
@@ -98,8 +99,8 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
             lambda: _with_signed_archives(request, document, directory, expires)))
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
-                               "application/zip", request.app[ARCHIVES_KEY],
-                               request.app[METRICS_KEY].served_bytes.labels("package"))
+                               "application/zip", app[ARCHIVES_KEY],
+                               app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
 
 
