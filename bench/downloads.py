@@ -1,22 +1,26 @@
-"""The archive figures: warm throughput and server CPU per GB against nginx, a cold miss
-against a direct download, 100 concurrent cold GETs against nginx warm, and peak RSS."""
+"""The archive figures: warm throughput and server CPU per GB against nginx (and against the
+bare-aiohttp file floor: what Python can do), a cold miss against a direct download, 100
+concurrent cold GETs against nginx warm, and peak RSS."""
 
 from __future__ import annotations
 
+import statistics
 from functools import partial
 
-from bench.figures import Figure, Target
+from bench.figures import Figure, Target, number, spread
 from bench.measure import (
     CpuMeter,
+    CpuUse,
     Transfer,
     concurrent_downloads,
     download,
+    metered,
     peak_rss_mib,
     process_tree,
     throughput,
 )
 from bench.servers import Server
-from bench.session import Session, in_turn, progress
+from bench.session import Session, each_in_turn, in_turn, progress
 from bench.upstream import BIG, HUGE
 
 HERD = 100
@@ -29,30 +33,60 @@ def _mib(size: int) -> str:
 
 def archive(session: Session) -> tuple[list[Figure], list[str]]:
     """Warm zip throughput with 1 and 8 clients, and server CPU per GB with 8, vs nginx; both
-    with the default workers."""
+    with the default workers. With 8 clients, the same against the file floor, and the floor
+    against nginx (a note)."""
     settings = session.settings
     name = _mib(session.upstream.sizes[BIG])
     proxy = session.warm_proxy(settings.workers)
     download(proxy.ca, proxy.url(BIG.document))  # as Terraform: the document first
     download(proxy.ca, proxy.url(BIG.archive()))  # the fill: warm from now on
     session.publish(BIG)
-    nginx = session.nginx()
+    nginx, floor = session.nginx(), session.file_floor()
+    download(floor.ca, floor.url(BIG.archive()))  # it serves: its first GET not counted
     single = Figure("archive", f"warm {name} zip, 1 client: throughput", "MB/s", "nginx")
     eight = Figure("archive", f"warm {name} zip, 8 clients: throughput", "MB/s", "nginx",
                    Target("ratio", ">=", 0.85))
     cpu = Figure("archive", f"warm {name} zip, 8 clients: server CPU per GB served", "s/GB",
                  "nginx", Target("ratio", "<=", 1.3))
+    eight_floor = Figure("archive", f"warm {name} zip, 8 clients: throughput, against the "
+                         "file floor", "MB/s", "file floor")
+    cpu_floor = Figure("archive", f"warm {name} zip, 8 clients: server CPU per GB served, "
+                       "against the file floor", "s/GB", "file floor")
     for run in range(settings.runs):
         progress(f"archive, run {run + 1}: 1 client")
         ours, theirs = in_turn(run, partial(_throughput, session, proxy, 1),
                                partial(_throughput, session, nginx, 1))
         single.add(ours[0].mb_per_second, theirs[0].mb_per_second)
         progress(f"archive, run {run + 1}: 8 clients")
-        ours, theirs = in_turn(run, partial(_throughput, session, proxy, 8),
-                               partial(_throughput, session, nginx, 8))
+        ours, theirs, bare = each_in_turn(run, [partial(_throughput, session, server, 8)
+                                                for server in (proxy, nginx, floor)])
         eight.add(ours[0].mb_per_second, theirs[0].mb_per_second)
-        cpu.add(ours[1] / (ours[0].size / 1e9), theirs[1] / (theirs[0].size / 1e9))
-    return [single, eight, cpu], []
+        cpu.add(_per_gb(ours), _per_gb(theirs))
+        eight_floor.add(ours[0].mb_per_second, bare[0].mb_per_second)
+        cpu_floor.add(_per_gb(ours), _per_gb(bare))
+    note = _floor_note(floor, settings.workers, (eight_floor, eight), (cpu_floor, cpu))
+    return [single, eight, cpu, eight_floor, cpu_floor], [note]
+
+
+def _per_gb(measured: tuple[Transfer, float]) -> float:
+    """CPU seconds per GB served."""
+    transfer, seconds = measured
+    return seconds / (transfer.size / 1e9)
+
+
+def _floor_note(floor: Server, workers: int, throughputs: tuple[Figure, Figure],
+                cpus: tuple[Figure, Figure]) -> str:
+    """The file floor against nginx, measured in the same runs: how far Python itself is from
+    C when serving a file over TLS. Each figure pair: (against the floor, against nginx)."""
+    def versus(pair: tuple[Figure, Figure], unit: str) -> str:
+        against_floor, against_nginx = pair
+        floors, nginxes = against_floor.reference, against_nginx.reference
+        ratios = [ours / theirs for ours, theirs in zip(floors, nginxes, strict=True)]
+        return (f"{number(statistics.median(floors))} {unit}, {spread(ratios)} x nginx's "
+                f"{number(statistics.median(nginxes))} {unit}")
+
+    return (f"The {floor.name} with 8 clients: {versus(throughputs, 'MB/s')}; server CPU "
+            f"{versus(cpus, 's/GB')} (nginx with {workers} workers).")
 
 
 def _throughput(session: Session, server: Server, clients: int) -> tuple[Transfer, float]:
@@ -65,51 +99,102 @@ def _throughput(session: Session, server: Server, clients: int) -> tuple[Transfe
 
 def cold(session: Session) -> tuple[list[Figure], list[str]]:
     """A cold miss of the big zip (documents already fetched, as Terraform does): first byte
-    and whole download, against the same download straight from upstream."""
+    and whole download, against the same download straight from upstream; and the CPU every
+    process used for each (the least wall time that CPU allows on this machine's cores)."""
     settings = session.settings
-    name = _mib(session.upstream.sizes[BIG])
+    size = session.upstream.sizes[BIG]
+    name = _mib(size)
     first = Figure("cold", f"cold {name} zip: time to first byte", "ms", "direct",
                    Target("ratio", "<=", 1.5))
     whole = Figure("cold", f"cold {name} zip: whole download", "s", "direct",
                    Target("ratio", "<=", 1.5))
+    floor = _floor_figure("cold", f"cold {name} zip", settings.workers, "direct")
     upstream = session.upstream
+    thread = upstream.registry.thread
+    uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])
     for run in range(settings.runs):
         progress(f"cold, run {run + 1}")
         with session.fresh_cache(f"cold-{run}") as cache, \
                 session.proxy(cache, settings.workers) as proxy:
             proxy.get(BIG.index)
             proxy.get(BIG.document)
-            ours, direct = in_turn(
-                run, partial(download, proxy.ca, proxy.url(BIG.archive())),
-                partial(download, upstream.ca_file, upstream.url(BIG.upstream_archive())))
+            (ours, our_cpu), (direct, direct_cpu) = in_turn(
+                run, partial(metered, partial(download, proxy.ca, proxy.url(BIG.archive())),
+                             thread, proxy.pid),
+                partial(metered, partial(download, upstream.ca_file,
+                                         upstream.url(BIG.upstream_archive())), thread))
         first.add(ours.first_byte * 1000, direct.first_byte * 1000)
         whole.add(ours.total, direct.total)
-    return [first, whole], []
+        floor.add(our_cpu.bound(settings.workers), direct_cpu.bound(settings.workers))
+        uses[0].append(our_cpu)
+        uses[1].append(direct_cpu)
+    notes = [_cpu_note(f"cold {name} zip", "proxied download", uses[0], size,
+                       settings.workers, "proxy"),
+             _cpu_note(f"cold {name} zip", "direct download", uses[1], size,
+                       settings.workers)]
+    return [first, whole, floor], notes
 
 
 def herd(session: Session) -> tuple[list[Figure], list[str]]:
     """100 concurrent cold GETs of the big zip: upstream downloads, and seconds until the
-    last client is done against the same 100 GETs served warm by nginx."""
+    last client is done against the same 100 GETs served warm by nginx; and the CPU every
+    process used for each (the least wall time that CPU allows on this machine's cores)."""
     settings = session.settings
-    name = _mib(session.upstream.sizes[BIG])
+    size = session.upstream.sizes[BIG]
+    name = _mib(size)
     session.publish(BIG)
     nginx = session.nginx()
-    fetches = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: upstream "
-                     "downloads", "", "", Target("proxy", "==", 1))
-    last = Figure("herd", f"{HERD} concurrent cold GETs of a {name} zip: last client done "
-                  "(nginx: warm)", "s", "nginx", Target("ratio", "<=", 1.2))
+    what = f"{HERD} concurrent cold GETs of a {name} zip"
+    fetches = Figure("herd", f"{what}: upstream downloads", "", "", Target("proxy", "==", 1))
+    last = Figure("herd", f"{what}: last client done (nginx: warm)", "s", "nginx",
+                  Target("ratio", "<=", 1.2))
+    floor = _floor_figure("herd", what, settings.workers, "nginx")
+    thread = session.upstream.registry.thread
+    uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])
     for run in range(settings.runs):
         progress(f"herd, run {run + 1}")
         with session.fresh_cache(f"herd-{run}") as cache, \
                 session.proxy(cache, settings.workers) as proxy:
             proxy.get(BIG.document)
             before = session.upstream.downloads_of(BIG)
-            ours, theirs = in_turn(
-                run, partial(concurrent_downloads, proxy.ca, proxy.url(BIG.archive()), HERD),
-                partial(concurrent_downloads, nginx.ca, nginx.url(BIG.archive()), HERD))
+            (ours, our_cpu), (theirs, their_cpu) = in_turn(
+                run, partial(metered, partial(concurrent_downloads, proxy.ca,
+                                              proxy.url(BIG.archive()), HERD),
+                             thread, proxy.pid),
+                partial(metered, partial(concurrent_downloads, nginx.ca,
+                                         nginx.url(BIG.archive()), HERD), thread, nginx.pid))
             fetches.add(session.upstream.downloads_of(BIG) - before)
         last.add(ours, theirs)
-    return [fetches, last], []
+        floor.add(our_cpu.bound(settings.workers), their_cpu.bound(settings.workers))
+        uses[0].append(our_cpu)
+        uses[1].append(their_cpu)
+    notes = [_cpu_note(what, "proxy (cold)", uses[0], size * HERD, settings.workers, "proxy"),
+             _cpu_note(what, "nginx (warm)", uses[1], size * HERD, settings.workers, "nginx")]
+    return [fetches, last, floor], notes
+
+
+def _floor_figure(group: str, what: str, cores: int, reference: str) -> Figure:
+    """The CPU-bound lower bound of a measurement: the CPU seconds of every process involved
+    (upstream, server, clients) over the usable cores; no target, it explains the wall time."""
+    return Figure(group, f"{what}: CPU-bound lower bound (CPU of all processes / {cores} "
+                  "cores)", "s", reference)
+
+
+def _cpu_note(what: str, side: str, uses: list[CpuUse], size: int, cores: int,
+              server: str = "") -> str:
+    """Where the CPU of a measurement went, per GB delivered to the clients (medians over
+    runs), and the wall time that CPU needs at least on this machine."""
+    def per_gb(values: list[float]) -> str:
+        return f"{statistics.median(values) / (size / 1e9):.2f}"
+    parts = [f"upstream {per_gb([u.upstream for u in uses])}"]
+    if server:
+        parts.append(f"{server} {per_gb([u.server for u in uses])}")
+    parts.append(f"clients {per_gb([u.clients for u in uses])}")
+    total = statistics.median(u.total for u in uses)
+    wall = statistics.median(u.wall for u in uses)
+    return (f"{what}, {side}: {per_gb([u.total for u in uses])} CPU-s per GB delivered "
+            f"across processes ({', '.join(parts)}); {total:.2f} CPU-s in all, on {cores} "
+            f"cores at least {total / cores:.2f} s (measured {wall:.2f} s)")
 
 
 def rss(session: Session) -> tuple[list[Figure], list[str]]:

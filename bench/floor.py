@@ -7,12 +7,25 @@ with the proxy's certificate; the JSON figures at one worker are measured agains
 
 from __future__ import annotations
 
+import socket
 import ssl
 import sys
 from pathlib import Path
 
 import uvloop
 from aiohttp import web
+
+
+def serve(app: web.Application, cert: str, key: str, *, port: int | None = None,
+          sock: socket.socket | None = None) -> None:
+    """Run app over TLS with the proxy's certificate, on uvloop, on 127.0.0.1:port or on a
+    listening socket, until killed."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # as the proxy's context
+    context.load_cert_chain(cert, key)
+    uvloop.install()
+    web.run_app(app, host=None if sock else "127.0.0.1", port=port, sock=sock,
+                ssl_context=context, access_log=None, print=None, shutdown_timeout=1)
 
 
 def main(port: int, cert: str, key: str, root: Path) -> None:
@@ -27,12 +40,7 @@ def main(port: int, cert: str, key: str, root: Path) -> None:
 
     app = web.Application()
     app.router.add_get("/{tail:.*}", answer)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2  # as the proxy's context
-    context.load_cert_chain(cert, key)
-    uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, ssl_context=context, access_log=None,
-                print=None)
+    serve(app, cert, key, port=port)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}
 
@@ -179,6 +183,57 @@ class CpuMeter:
     def seconds(self) -> float:
         """CPU seconds since the meter was made."""
         return cpu_seconds(self.pids) - self.start
+
+
+def thread_cpu_seconds(thread: threading.Thread) -> float:
+    """CPU seconds one running thread of this process used so far (to the nanosecond: a
+    small download's upstream uses less than a clock tick)."""
+    assert thread.ident is not None, "the thread is not started"
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's children that ended and were waited for (the curl
+    clients: a server still running is not among them)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """The CPU seconds every process of a measurement used: the upstream (its thread in this
+    process), the server measured (all its processes; none for a direct download) and the
+    clients (curl), and the wall time it took."""
+
+    upstream: float
+    server: float
+    clients: float
+    wall: float
+
+    @property
+    def total(self) -> float:
+        return self.upstream + self.server + self.clients
+
+    def bound(self, cores: int) -> float:
+        """The least wall time the work could take on this many cores: all of it CPU,
+        spread perfectly (the CPU-bound lower bound)."""
+        return self.total / cores
+
+
+def metered(work: Callable[[], T], upstream_thread: threading.Thread, server: int | None = None
+            ) -> tuple[T, CpuUse]:
+    """work's result, and the CPU its processes used meanwhile: the upstream's thread, the
+    server's process tree (root pid; None: no server, a direct download), and the clients
+    work started and waited for. Nothing else may end a child process of this one meanwhile."""
+    meter = CpuMeter(server) if server is not None else None
+    upstream = thread_cpu_seconds(upstream_thread)
+    clients = _children_cpu_seconds()
+    started = time.monotonic()
+    result = work()
+    wall = time.monotonic() - started
+    return result, CpuUse(thread_cpu_seconds(upstream_thread) - upstream,
+                          meter.seconds() if meter is not None else 0.0,
+                          _children_cpu_seconds() - clients, wall)
 
 
 def load_average() -> tuple[float, float, float]:

@@ -1,5 +1,5 @@
 """Benchmark tf-registry-proxy against references measured in the same run, on this machine:
-nginx serving the same files, the bare-aiohttp floor (what one Python process can answer),
+nginx serving the same files, the bare-aiohttp floors (what Python can answer: JSON, a file),
 and a direct download from the upstream. Every figure is a ratio against its reference, per
 run; the report (bench/RESULTS.md) gives median, min and max, and whether the target is met.
 

@@ -1,6 +1,7 @@
 """The servers the bench compares: the proxy (`python -m proxy serve`, as users run it), nginx
-serving the same bytes as static files, and the bare-aiohttp floor (bench/floor.py). All of
-them listen on 127.0.0.1 over TLS with the same certificate, issued by the proxy's own CA."""
+serving the same bytes as static files, and the bare-aiohttp floors (bench/floor.py for JSON,
+bench/filefloor.py for files). All of them listen on 127.0.0.1 over TLS with the same
+certificate, issued by the proxy's own CA."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.support.fake_registry import FakeRegistry
 from tests.support.proxy_process import ProxyProcess, free_port
 
 FLOOR_SCRIPT = Path(__file__).resolve().parent / "floor.py"
+FILE_FLOOR_SCRIPT = FLOOR_SCRIPT.with_name("filefloor.py")
 CHECKOUT = FLOOR_SCRIPT.parent.parent
 TOOLS = (("nginx", "nginx-light"), ("wrk", "wrk"), ("curl", "curl"))
 
@@ -166,15 +168,34 @@ http {{
 @contextmanager
 def floor(work: Path, root: Path, certificate: ServingCertificate, ca: Path) -> Iterator[Server]:
     """The bare-aiohttp floor: one process answering every JSON file under root from memory."""
+    with _floor_script(work, "bare aiohttp floor (1 process)", FLOOR_SCRIPT,
+                       [root], certificate, ca) as server:
+        yield server
+
+
+@contextmanager
+def file_floor(work: Path, root: Path, certificate: ServingCertificate, ca: Path,
+               processes: int) -> Iterator[Server]:
+    """The bare-aiohttp file floor: `processes` processes serving every zip under root from
+    disk."""
+    with _floor_script(work, f"bare aiohttp file floor ({processes} processes)",
+                       FILE_FLOOR_SCRIPT, [root, processes], certificate, ca) as server:
+        yield server
+
+
+@contextmanager
+def _floor_script(work: Path, name: str, script: Path, arguments: list[Path | int],
+                  certificate: ServingCertificate, ca: Path) -> Iterator[Server]:
+    """`python script PORT CERT KEY *arguments`, until the block ends."""
     port = free_port()
-    log = work / f"floor-{port}.log"
+    log = work / f"{script.stem}-{port}.log"
     with open(log, "wb") as output:
         process = subprocess.Popen(
-            [sys.executable, str(FLOOR_SCRIPT), str(port), str(certificate.cert),
-             str(certificate.key), str(root)], stdout=output, stderr=subprocess.STDOUT)
+            [sys.executable, str(script), str(port), str(certificate.cert),
+             str(certificate.key), *map(str, arguments)], stdout=output,
+            stderr=subprocess.STDOUT)
     try:
-        server = Server("bare aiohttp floor (1 process)", f"https://127.0.0.1:{port}", ca,
-                        process.pid)
+        server = Server(name, f"https://127.0.0.1:{port}", ca, process.pid)
         _wait_listening(server, process, log)
         yield server
     finally:

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from bench.servers import Server, StaticTree, floor, nginx, proxy, serving_certificate
+from bench.servers import (
+    Server,
+    StaticTree,
+    file_floor,
+    floor,
+    nginx,
+    proxy,
+    serving_certificate,
+)
 from bench.upstream import Package, Upstream
 
 T = TypeVar("T")
@@ -47,6 +55,7 @@ class Session:
         self._warm: dict[int, Server] = {}
         self._nginx: Server | None = None
         self._floor: Server | None = None
+        self._file_floor: Server | None = None
         self._published: set[Package] = set()
 
     def warm_proxy(self, workers: int) -> Server:
@@ -72,6 +81,15 @@ class Session:
             self._floor = self._stack.enter_context(
                 floor(self.work, self.tree.root, self.certificate, self.ca))
         return self._floor
+
+    def file_floor(self) -> Server:
+        """The bare-aiohttp file floor, with as many processes as the proxy's default workers,
+        serving the zips in the static tree as they are when it starts."""
+        if self._file_floor is None:
+            self._file_floor = self._stack.enter_context(
+                file_floor(self.work, self.tree.root, self.certificate, self.ca,
+                           self.settings.workers))
+        return self._file_floor
 
     def publish(self, package: Package) -> None:
         """The package's zip in the static tree: the bytes upstream serves, which the proxy
@@ -100,11 +118,16 @@ class Session:
 def in_turn(run: int, proxy_side: Callable[[], T], reference: Callable[[], T]) -> tuple[T, T]:
     """Both measured, the proxy first on even runs and the reference first on odd ones (so
     that neither always gets a warmer machine); (proxy's, reference's)."""
-    if run % 2:
-        second = reference()
-        return proxy_side(), second
-    first = proxy_side()
-    return first, reference()
+    ours, theirs = each_in_turn(run, [proxy_side, reference])
+    return ours, theirs
+
+
+def each_in_turn(run: int, sides: list[Callable[[], T]]) -> list[T]:
+    """Each measured, in the given order on even runs and in reverse on odd ones; the results
+    in the given order."""
+    order = range(len(sides) - 1, -1, -1) if run % 2 else range(len(sides))
+    results = {index: sides[index]() for index in order}
+    return [results[index] for index in range(len(sides))]
 
 
 def progress(message: str) -> None:

@@ -26,7 +26,12 @@ from proxy.store.file_identity import identity_of
 from proxy.store.spool import new_spool, store_package
 from proxy.store.usage import UsageLedger
 from proxy.verification.hashes import h1_of_zip
-from proxy.verification.stored_hashes import DamagedFile, h1_of_stored, verify_stored
+from proxy.verification.stored_hashes import (
+    DamagedFile,
+    h1_of_stored,
+    h1_of_written,
+    verify_stored,
+)
 from tests.support.fake_registry import build_zip
 
 ZIP = build_zip({"terraform-provider-x_v1.0.0": (random.Random(1).randbytes(20_000), 0o755)})
@@ -325,6 +330,33 @@ async def test_h1_of_stored_hashes_only_the_signed_bytes(tmp_path: Path) -> None
 
     path.unlink()  # evicted meanwhile: nothing to hash, nothing to drop
     assert await h1_of_stored(blobs, KEY, signed) is None
+
+
+async def test_the_h1_of_a_file_just_written_does_not_hash_its_bytes_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fill hashed the bytes as it wrote them: while the stored file is that very file, its
+    # h1 pass reads it once (the dirhash), not twice (sha256 of the zip again, then the
+    # dirhash): a third of the work after every fill.
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    signed = hashlib.sha256(ZIP).hexdigest()
+    stored = await store_package(blobs, KEY, chunks(ZIP), signed)
+    path = blobs.path_of(KEY)
+    hashed: list[int] = []
+    real = proxy.verification.stored_hashes.sha256_of_file
+
+    def counted(handle: BinaryIO) -> str:
+        hashed.append(1)
+        return real(handle)
+
+    monkeypatch.setattr(proxy.verification.stored_hashes, "sha256_of_file", counted)
+    assert await h1_of_written(blobs, KEY, signed, stored.info.identity) == h1_of_zip(path)
+    assert hashed == []
+
+    # Replaced since (another identity): its bytes are checked against the signed sha256.
+    path.write_bytes(ZIP.replace(b"provider-x", b"provider-y"))
+    with pytest.raises(DamagedFile, match=f"not the checksum {signed}"):
+        await h1_of_written(blobs, KEY, signed, stored.info.identity)
+    assert hashed == [1]
 
 
 async def test_verify_stored_vouches_only_for_the_file_whose_bytes_it_read(

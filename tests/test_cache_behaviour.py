@@ -9,6 +9,9 @@ import hashlib
 import os
 import random
 import shutil
+import sys
+import threading
+import time
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,6 +32,7 @@ from proxy.store.protocol import BlobInfo
 from proxy.verification.packages import VerifiedPackages
 from proxy.web.routes import CONFIG_KEY
 from tests.support.fake_registry import FakeRegistry
+from tests.support.held_work import HeldCalls
 from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP, zip_h1
 
@@ -292,6 +296,85 @@ async def test_damaged_stored_zip_is_dropped_and_never_poisons_the_version_docum
 
 async def _recorded_h1_is(cache: Path, h1: str, key: str = LINUX_KEY) -> bool:
     return (await package_record(cache, key))["h1"] == h1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+async def test_a_fills_h1_pass_reads_the_zip_once_at_the_lowest_cpu_priority(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Clients may still be downloading the package (in other processes too) when its h1 pass
+    # reads it whole again: it must not take the cores from them, nor hash the zip's bytes
+    # again (the fill hashed them as it wrote the file, which is still that file).
+    priorities: list[int] = []
+    real = proxy.verification.stored_hashes.h1_of_zip
+    real_sha256 = proxy.verification.stored_hashes.sha256_of_file
+    hashed: list[int] = []
+
+    def h1_noting_priority(source: BinaryIO) -> str:
+        priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(source)
+
+    def sha256_counted(handle: BinaryIO) -> str:
+        hashed.append(1)
+        return real_sha256(handle)
+
+    monkeypatch.setattr(proxy.verification.stored_hashes, "h1_of_zip", h1_noting_priority)
+    monkeypatch.setattr(proxy.verification.stored_hashes, "sha256_of_file", sha256_counted)
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    cache = Path(load_config(write_config(), environ={}).cache.dir)
+    client = await make()
+    assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+    await eventually(lambda: _recorded_h1_is(cache, zip_h1(good)), "the fill's h1")
+    assert priorities == [19]
+    assert hashed == []
+    # The pool's threads serve nothing else: work a client waits for keeps its priority.
+    document = await (await client.get(f"{BASE}/3.2.1.json")).json()
+    assert document["archives"]["linux_amd64"]["hashes"][0] == zip_h1(good)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+
+
+async def test_a_document_asked_for_during_a_fills_h1_pass_waits_for_it_not_a_second_read(
+        make: Make, registry: FakeRegistry, write_config: Callable[..., Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    held = HeldCalls(proxy.verification.stored_hashes.h1_of_zip)
+    monkeypatch.setattr(proxy.verification.stored_hashes, "h1_of_zip", held)
+    good = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    client = await make()
+    try:
+        assert await (await client.get(f"{BASE}/{ZIP}")).read() == good
+        assert await held.settled(minimum=1) == 1  # the fill's pass, under way
+        document = asyncio.ensure_future(client.get(f"{BASE}/3.2.1.json"))
+        await asyncio.sleep(0.5)
+        assert held.started == 1  # the document waits for it: no second read
+    finally:
+        held.release()
+    answer = await (await document).json()
+    assert answer["archives"]["linux_amd64"]["hashes"][0] == zip_h1(good)
+    assert held.started == 1
+
+
+async def test_a_cold_package_reads_its_facts_while_upstream_answers_its_download_document(
+        make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first byte of a miss waits for the download document (upstream) and the recorded
+    # facts (the index): asked for together, not one after the other.
+    client = await make()
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # the facts, recorded
+    read_after: list[float] = []
+    started = 0.0
+    real_get = MetadataCache.get
+
+    async def noting_get(cache: MetadataCache, key: str) -> dict[str, Any] | None:
+        if key.startswith("package/") and key.endswith("linux_amd64"):
+            read_after.append(time.monotonic() - started)
+        return await real_get(cache, key)
+
+    monkeypatch.setattr(MetadataCache, "get", noting_get)
+    registry.slow_paths["/v1/providers/hashicorp/null/3.2.1/download/linux"] = 1.0
+    started = time.monotonic()
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert await response.read() == \
+        registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    assert read_after and read_after[-1] < 0.8, read_after  # not after the document came
 
 
 async def test_damaged_stored_zip_is_left_out_offline(

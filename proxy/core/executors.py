@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,11 +51,30 @@ def default_slow_threads() -> int:
 # a DNS server does not answer): a fixed few threads, enough for the few upstream hosts (the
 # outbound session keeps answers for a minute); more lookups wait their turn.
 DNS_THREADS = 8
+# Work nobody waits for (the h1 pass after a fill): at the lowest CPU priority, so that on a
+# busy machine it takes the cores only when the clients it would compete with leave them;
+# two threads, for fills that finish together.
+BACKGROUND_THREADS = 2
+_LOWEST_PRIORITY = 19
+
+log = logging.getLogger(__name__)
+
+
+def _lowest_priority() -> None:
+    """Make the calling thread the least urgent on the machine (Linux: a thread's own nice
+    value; it can never be raised again, so the thread must serve only background work)."""
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS would renice the whole process
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
+    except OSError as exc:  # a sandbox that forbids it: background work runs at normal speed
+        log.debug("cannot lower the background threads' priority: %s", exc)
 
 
 class Executors:
-    """The three pools: `quick` for short metadata and file-system calls, `slow` for work over
-    whole files, `dns` for name lookups."""
+    """The pools: `quick` for short metadata and file-system calls, `slow` for work over
+    whole files, `dns` for name lookups, `background` (lowest priority) for work over whole
+    files that no client waits for."""
 
     def __init__(self, quick_threads: int | None = None, slow_threads: int | None = None,
                  dns_threads: int | None = None) -> None:
@@ -63,11 +84,14 @@ class Executors:
                                             thread_name_prefix="proxy-slow")
         self.dns_pool = ThreadPoolExecutor(dns_threads or DNS_THREADS,
                                            thread_name_prefix="proxy-dns")
+        self.background_pool = ThreadPoolExecutor(BACKGROUND_THREADS,
+                                                  thread_name_prefix="proxy-background",
+                                                  initializer=_lowest_priority)
 
     def shutdown(self) -> None:
         """Take no more work: queued jobs are dropped (their callers are gone at shutdown),
         running ones finish in their threads without holding up the event loop."""
-        for pool in (self.quick_pool, self.slow_pool, self.dns_pool):
+        for pool in (self.quick_pool, self.slow_pool, self.dns_pool, self.background_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -102,7 +126,7 @@ async def serving(quick_threads: int | None = None, slow_threads: int | None = N
             opened.executors.shutdown()
 
 
-Pool = Literal["quick", "slow", "dns"]
+Pool = Literal["quick", "slow", "dns", "background"]
 
 
 def _pool(loop: asyncio.AbstractEventLoop, pool: Pool) -> ThreadPoolExecutor | None:
@@ -111,7 +135,7 @@ def _pool(loop: asyncio.AbstractEventLoop, pool: Pool) -> ThreadPoolExecutor | N
         return None  # the loop's default executor
     executors = opened.executors
     return {"quick": executors.quick_pool, "slow": executors.slow_pool,
-            "dns": executors.dns_pool}[pool]
+            "dns": executors.dns_pool, "background": executors.background_pool}[pool]
 
 
 def _submit(pool: Pool, fn: Callable[P, T], *args: P.args,
@@ -164,6 +188,17 @@ async def slow_then_close(resource: Closable, fn: Callable[P, T], *args: P.args,
     use it. A caller cancelled meanwhile (a shutdown, a client that left) does not stop the
     thread, so the thread then closes it when fn is done (on the loop, if it still runs); a
     job that never started is closed at once."""
+    return await _then_close("slow", resource, lambda: fn(*args, **kwargs))
+
+
+async def background_then_close(resource: Closable, fn: Callable[P, T], *args: P.args,
+                                **kwargs: P.kwargs) -> T:
+    """slow_then_close, at the lowest CPU priority (the background pool): for work over a
+    whole file that no client waits for."""
+    return await _then_close("background", resource, lambda: fn(*args, **kwargs))
+
+
+async def _then_close(pool: Pool, resource: Closable, fn: Callable[[], T]) -> T:
     loop = asyncio.get_running_loop()
     lock = threading.Lock()
     state = {"running": False, "abandoned": False}
@@ -174,7 +209,7 @@ async def slow_then_close(resource: Closable, fn: Callable[P, T], *args: P.args,
                 raise asyncio.CancelledError
             state["running"] = True
         try:
-            return fn(*args, **kwargs)
+            return fn()
         finally:
             with lock:
                 state["running"] = False
@@ -183,7 +218,7 @@ async def slow_then_close(resource: Closable, fn: Callable[P, T], *args: P.args,
                 _close_on(loop, resource)
 
     try:
-        return await _submit("slow", job)
+        return await _submit(pool, job)
     finally:
         with lock:
             state["abandoned"] = True

@@ -12,6 +12,7 @@ import time
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, slow, slow_started
@@ -84,7 +85,10 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
                 batch, batched = [], 0
         await spool.write(batch)
         await spool.wait()
-        await slow(os.fsync, spool.fd)  # flushes a whole package
+        # The bytes went to the disk during the download (see _FLUSH_EVERY): what is left to
+        # flush before publishing is the tail, not the whole package.
+        await spool.flushed()
+        await slow(os.fsync, spool.fd)
         actual = spool.digest.hexdigest()
         fd, spool = spool.fd, None
         await quick(os.close, fd)
@@ -134,6 +138,10 @@ _BATCH = 1 << 20
 _AHEAD = 2 << 20
 _LINGER = 0.05  # seconds
 _PIECE = 256 << 10  # hashed, then written, while it is in the CPU's cache
+# Written bytes are flushed to the disk (fdatasync, beside the writes, not in their way) each
+# time this many more are written: the fsync before publishing, which the last byte of every
+# follower waits for, then flushes only the tail (a 100 MiB package at once took ~45 ms).
+_FLUSH_EVERY = 8 << 20
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 
@@ -147,6 +155,8 @@ class _SpoolWriter:
         self.digest = hashlib.sha256()
         self._on_disk = on_disk
         self._pending: asyncio.Future[int] | None = None
+        self._flushing: asyncio.Future[None] | None = None
+        self._unflushed = 0
 
     def ready(self) -> bool:
         """Whether no batch is being written: the next one can start at once."""
@@ -155,6 +165,7 @@ class _SpoolWriter:
     async def write(self, batch: list[bytes]) -> None:
         """Start on batch once the one before is on disk."""
         await self.wait()
+        self._raise_flush_error()
         if batch:
             self._pending = slow_started(_hash_and_write, self.digest, self.fd, batch)
             self._pending.add_done_callback(self._written)
@@ -162,6 +173,28 @@ class _SpoolWriter:
     def _written(self, done: asyncio.Future[int]) -> None:
         if not done.cancelled() and done.exception() is None:
             self._on_disk(done.result())
+            self._unflushed += done.result()
+            if self._unflushed >= _FLUSH_EVERY and self.fd >= 0 and self._flush_ended_well():
+                self._unflushed = 0
+                self._flushing = slow_started(os.fdatasync, self.fd)
+
+    def _flush_ended_well(self) -> bool:
+        """Whether no flush is under way and none failed (its error is kept for the fill)."""
+        flushing = self._flushing
+        return flushing is None or (flushing.done() and not flushing.cancelled()
+                                    and flushing.exception() is None)
+
+    def _raise_flush_error(self) -> None:
+        """Raise what the last flush that ended raised (a disk that fails its writes)."""
+        flushing = self._flushing
+        if flushing is not None and flushing.done():
+            flushing.result()
+
+    async def flushed(self) -> None:
+        """Return once the flush under way (if any) is done; raise what it did."""
+        flushing = self._flushing
+        if flushing is not None:
+            await asyncio.shield(flushing)  # as wait(): never close the file under it
 
     async def wait(self) -> None:
         """Return once the batch under way (if any) is on disk; raise what writing it did."""
@@ -174,12 +207,29 @@ class _SpoolWriter:
         self._pending = None
 
     def close(self) -> None:
-        """Close the spool now, or once the batch still being written is (on cancellation)."""
-        pending, self._pending = self._pending, None
-        if pending is None or pending.done():
-            os.close(self.fd)
-        else:
-            pending.add_done_callback(lambda _done: os.close(self.fd))
+        """Close the spool now, or once the batch still being written and the flush under way
+        are done (on cancellation)."""
+        fd, self.fd = self.fd, -1  # no new flush starts on it
+        jobs = [job for job in (self._pending, self._flushing) if job is not None]
+        for job in jobs:
+            if job.done() and not job.cancelled():
+                job.exception()  # retrieved: the fill already failed, or it is closing
+        busy = [job for job in jobs if not job.done()]
+        self._pending = self._flushing = None
+        if not busy:
+            os.close(fd)
+            return
+        left = len(busy)
+
+        def one_done(done: asyncio.Future[Any]) -> None:
+            nonlocal left
+            if not done.cancelled():
+                done.exception()  # retrieved: the fill already failed, or it is closing
+            left -= 1
+            if left == 0:
+                os.close(fd)
+        for job in busy:
+            job.add_done_callback(one_done)
 
 
 def _ignore(_count: int) -> None:

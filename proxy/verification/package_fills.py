@@ -95,12 +95,13 @@ class PackageFills:
                                                        f"{platform.key}: {exc.message}") from None
             finally:
                 self._metrics.fills_in_flight.dec()
-        # The record that vouches for the file was saved (vouch); its h1 (a full read) now.
+        # The record that vouches for the file was saved (vouch); its h1 (a full read, at the
+        # lowest priority: clients may still be downloading it) now.
         await self._stored.record_h1(
             provider, version, platform,
             replace(package, size=stored.info.size, stored_as=stored.info.identity),
             stored.info.key,
-            holding_lock=True)
+            holding_lock=True, written=stored.info.identity)
         return stored.info
 
 

@@ -4,6 +4,7 @@ SHA256SUMS bytes and signature themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -114,9 +115,19 @@ class VerifiedPackages:
     async def current_download(self, provider: ProviderAddress, version: str,
                                platform: Platform) -> tuple[DownloadInfo, VerifiedPackage]:
         """A fresh download document (its URL may be short-lived) and the verified facts,
-        which it must still agree with."""
-        info = await self._registry.download_info(provider, version, platform)
-        package = await self.package(provider, version, platform, info)
+        which it must still agree with. The document is asked for while the facts are read
+        (a cold package's first byte waits for both); facts not recorded yet are fetched
+        with it."""
+        fetching = asyncio.ensure_future(
+            self._registry.download_info(provider, version, platform))
+        fetching.add_done_callback(_retrieve)  # a caller that failed first leaves no warning
+        try:
+            known = await self._recorded(provider, version, platform)
+            info = await fetching
+        finally:
+            fetching.cancel()  # a no-op once it is done
+        package = known if known is not None else \
+            await self.package(provider, version, platform, info)
         if (info.filename, info.shasum) != (package.filename, package.shasum):
             raise self.integrity("changed", f"upstream now describes {provider} {version} "
                                  f"{platform.key} differently from what it signed before")
@@ -167,6 +178,17 @@ class VerifiedPackages:
     async def package(self, provider: ProviderAddress, version: str, platform: Platform,
                       info: DownloadInfo | None = None) -> VerifiedPackage:
         """The verified facts of a package: cached, or fetched and checked now."""
+        known = await self._recorded(provider, version, platform)
+        if known is not None:
+            return known
+        key = self.package_key(provider, version, platform)
+        self._metrics.cache_lookups.labels("package", "miss").inc()
+        return await self._package_fills.run(
+            key, lambda: self._fill_package(key, provider, version, platform, info))
+
+    async def _recorded(self, provider: ProviderAddress, version: str,
+                        platform: Platform) -> VerifiedPackage | None:
+        """The verified facts held in memory or recorded in the index (a hit), if any."""
         key = self.package_key(provider, version, platform)
         held = self._held.get(key)
         if held is not None:
@@ -174,14 +196,12 @@ class VerifiedPackages:
             self._metrics.cache_lookups.labels("package", "hit").inc()
             return held
         record = await self._cache.get(key)
-        if record is not None:
-            self._metrics.cache_lookups.labels("package", "hit").inc()
-            package = _package_from_record(record)
-            self._hold(key, package)
-            return package
-        self._metrics.cache_lookups.labels("package", "miss").inc()
-        return await self._package_fills.run(
-            key, lambda: self._fill_package(key, provider, version, platform, info))
+        if record is None:
+            return None
+        self._metrics.cache_lookups.labels("package", "hit").inc()
+        package = _package_from_record(record)
+        self._hold(key, package)
+        return package
 
     async def _fill_package(self, key: str, provider: ProviderAddress, version: str,
                             platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
@@ -272,3 +292,8 @@ SUMS_ID = re.compile(r"[0-9a-f]{32}")
 def sums_id(shasums_url: str) -> str:
     """A short, stable name for one upstream SHA256SUMS file (matches SUMS_ID)."""
     return hashlib.sha256(shasums_url.encode()).hexdigest()[:32]
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from proxy.core.errors import IntegrityError
-from proxy.core.executors import slow_then_close
+from proxy.core.executors import background_then_close, slow_then_close
 from proxy.core.singleflight import SingleFlight
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
@@ -42,6 +42,17 @@ async def h1_of_stored(store: BlobStore, key: str, sha256: str) -> str | None:
     but not a zip that can be hashed (fetching it again would not change that). Raises
     DamagedFile when the stored bytes are not the signed ones or cannot be read."""
     return await _with_open(store, key, lambda blob: _checked_read(blob, sha256, _h1_of_checked))
+
+
+async def h1_of_written(store: BlobStore, key: str, sha256: str,
+                        written: FileIdentity) -> str | None:
+    """h1_of_stored for a package the caller just wrote and hashed as the file `written` (a
+    fill): while the stored file is still that very file (the same identity: nothing wrote to
+    it since), its bytes are the ones hashed, and are not read twice; otherwise as
+    h1_of_stored. At the lowest CPU priority: no client waits for it, and it must not slow
+    the clients still downloading the package."""
+    return await _with_open(store, key, lambda blob: _h1_of_written(blob, sha256, written),
+                            background_then_close)
 
 
 async def verify_stored(store: BlobStore, key: str, sha256: str) -> FileIdentity | None:
@@ -169,9 +180,12 @@ class CheckedFiles:
         await self._checks.cancel_all()
 
 
-async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) -> T | None:
-    """read(the open blob) on the slow pool, the blob closed once read is done with it (not
-    before, even if the caller is cancelled meanwhile); None when the blob is gone."""
+async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T],
+                     run: Callable[[OpenBlob, Callable[[OpenBlob], T], OpenBlob], Awaitable[T]]
+                     = slow_then_close) -> T | None:
+    """read(the open blob) on the slow pool (or as `run` says), the blob closed once read is
+    done with it (not before, even if the caller is cancelled meanwhile); None when the blob
+    is gone."""
     try:
         blob = await store.open(key)
     except FileNotFoundError:
@@ -182,7 +196,7 @@ async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T]) 
                           None if info is None else info.identity) from None
     if blob is None:
         return None  # evicted meanwhile: nothing to check, nothing to drop
-    return await slow_then_close(blob, read, blob)
+    return await run(blob, read, blob)
 
 
 def _hashed_read(blob: OpenBlob, then: Callable[[OpenBlob, BinaryIO, FileIdentity, str], T]) -> T:
@@ -217,6 +231,21 @@ def _adopted(blob: OpenBlob, intact: Callable[[BinaryIO], None]) -> tuple[str, F
                 raise DamagedFile(f"is damaged: {exc}", before) from None
         return actual, _unchanged_identity(blob, handle, before)
     return _hashed_read(blob, adopt)
+
+
+def _h1_of_written(blob: OpenBlob, sha256: str, written: FileIdentity) -> str | None:
+    if blob.local_path is None:  # not a local file: no identity to trust, check the bytes
+        return _checked_read(blob, sha256, _h1_of_checked)
+    with _read_errors_are_damage(written):
+        handle = blob.file()
+        # The file's own identity (a local copy of a remote blob is described as the blob).
+        if identity_of(os.fstat(handle.fileno())) != written:
+            return _checked_read(blob, sha256, _h1_of_checked)
+    h1 = _h1_of_checked(blob, handle, written)
+    with _read_errors_are_damage(written):
+        if identity_of(os.fstat(handle.fileno())) != written:
+            raise DamagedFile("changed while its h1 was computed", written)
+    return h1
 
 
 def _unchanged_identity(blob: OpenBlob, _handle: BinaryIO, before: FileIdentity) -> FileIdentity:

@@ -4,6 +4,7 @@ found damaged. Shared by the network mirror, the registry protocol and the archi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -17,7 +18,13 @@ from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import StoredArchive
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
-from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, Vouch, h1_of_stored
+from proxy.verification.stored_hashes import (
+    CheckedFiles,
+    DamagedFile,
+    Vouch,
+    h1_of_stored,
+    h1_of_written,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,10 @@ class StoredPackages:
         self._archives = archives
         self._offline = config.offline
         self._checked = CheckedFiles(archives)
+        # The h1 passes of fills under way, by key: whoever asks for the h1 meanwhile (a
+        # document) waits for that pass instead of reading the zip again beside it. Only a
+        # fill's: it holds the fill lock, which a pass that finds damage must take.
+        self._fill_passes: dict[str, asyncio.Future[VerifiedPackage | None]] = {}
 
     async def close(self) -> None:
         """Stop checks under way (shutdown)."""
@@ -130,13 +141,50 @@ class StoredPackages:
 
     async def record_h1(self, provider: ProviderAddress, version: str, platform: Platform,
                         package: VerifiedPackage, key: str,
-                        holding_lock: bool = False) -> VerifiedPackage:
+                        holding_lock: bool = False,
+                        written: FileIdentity | None = None) -> VerifiedPackage:
         """Compute the h1 of the stored zip at key from bytes that match the signed checksum
         (a full read), record it and return the facts with it. A stored zip that is not the
         signed package is dropped instead: no h1, no size, fetched again when next asked
-        for. holding_lock: the caller holds the package's fill lock (a fill)."""
+        for. holding_lock: the caller holds the package's fill lock (a fill). written: the
+        identity of the file as the caller wrote and hashed it (a fill), whose bytes are
+        not hashed again while it is still that file (see h1_of_written). Another caller
+        waits for a fill's pass under way on the same zip, and reads it only if that failed."""
+        if holding_lock:
+            return await self._fill_pass(provider, version, platform, package, key, written)
+        running = self._fill_passes.get(key)
+        if running is not None:
+            found = await asyncio.shield(running)
+            if found is not None:
+                return found
+        return await self._record_h1(provider, version, platform, package, key, False, None)
+
+    async def _fill_pass(self, provider: ProviderAddress, version: str, platform: Platform,
+                         package: VerifiedPackage, key: str,
+                         written: FileIdentity | None) -> VerifiedPackage:
+        """A fill's h1 pass, which others wait for (None for them if it fails)."""
+        answer: asyncio.Future[VerifiedPackage | None] = \
+            asyncio.get_running_loop().create_future()
+        self._fill_passes[key] = answer
         try:
-            h1 = await h1_of_stored(self._archives, key, package.shasum)
+            found = await self._record_h1(provider, version, platform, package, key, True,
+                                          written)
+            answer.set_result(found)
+            return found
+        finally:
+            if not answer.done():
+                answer.set_result(None)
+            if self._fill_passes.get(key) is answer:
+                del self._fill_passes[key]
+
+    async def _record_h1(self, provider: ProviderAddress, version: str, platform: Platform,
+                         package: VerifiedPackage, key: str, holding_lock: bool,
+                         written: FileIdentity | None) -> VerifiedPackage:
+        try:
+            if written is not None:
+                h1 = await h1_of_written(self._archives, key, package.shasum, written)
+            else:
+                h1 = await h1_of_stored(self._archives, key, package.shasum)
         except DamagedFile as damage:  # changed on disk since it was checked
             await self._drop_damaged(provider, version, platform, key, damage, holding_lock)
             return replace(package, size=None)

@@ -200,6 +200,11 @@ class FakeRegistry:
     def providers_url(self) -> str:
         return f"{self.url}/v1/providers/"
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread that serves every request (its CPU is the upstream's)."""
+        return self._thread
+
     # --- server --------------------------------------------------------------------------
 
     def start(self) -> None:
