@@ -20,7 +20,7 @@ import pytest
 
 from proxy.config import ConfigError, load_config
 from tests.conftest import AppClient
-from tests.support.audit import audit_lines, events
+from tests.support.audit import audit_lines, events, eventually
 from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
 from tests.support.gpg import GpgKey
 from tests.support.mirror_paths import BASE, ZIP, archive_path
@@ -47,12 +47,13 @@ async def test_a_fill_and_the_archives_served_each_write_a_line(
         await response.read()
     package = {**NULL, "version": "3.2.1", "os": "linux", "arch": "amd64"}
     size = len(release.zips["linux_amd64"])
-    [fetched] = events(log, "fetched")
+    [fetched] = await eventually(log, "fetched")
     assert fetched | package == fetched and fetched["cache"] == "miss"
     assert fetched["sha256"] == release.sha256("linux_amd64") and fetched["bytes"] == size
     assert fetched["key_id"] == key_id(signer)
     assert fetched["upstream_url"].endswith(f"/{release.filename('linux_amd64')}?token=***")
-    served = events(log, "served")
+    # Each written once its answer is sent, maybe after the client read it.
+    served = await eventually(log, "served", count=2)
     assert [line["cache"] for line in served] == ["miss", "hit"]
     for line in (fetched, *served):
         assert line | package == line and line["outcome"] == "ok"
@@ -74,8 +75,8 @@ async def test_module_fill_and_archive_are_audited(make: AppClient, registry: Fa
     body = await response.read()
     module = {"kind": "module", "host": "registry.terraform.io", "namespace": "acme",
               "name": "tarball", "system": "aws", "version": "1.0.0"}
-    [fetched] = events(log, "fetched", **module)
-    [served] = events(log, "served", **module)
+    [fetched] = await eventually(log, "fetched", **module)
+    [served] = await eventually(log, "served", **module)
     assert fetched["bytes"] == served["bytes"] == len(body)
     assert fetched["upstream_url"].startswith(registry.url) and len(fetched["sha256"]) == 64
     assert "key_id" not in fetched  # nothing signs a module
@@ -113,10 +114,11 @@ async def test_the_token_name_is_logged_never_the_token(
                              headers={"Authorization": "Bearer second-token-abcdefghij"}
                              )).status == 404
     assert (await client.get(f"{BASE}/9.9.9.json")).status == 401  # no token: not audited
+    await eventually(log, "served")
     assert [(line["event"], line["token"]) for line in audit_lines(log)
             if line["event"] != "fetched"] == [("served", "ci-runner"),
                                                ("refused", "token-2")]
-    [fetched] = events(log, "fetched")
+    [fetched] = await eventually(log, "fetched")
     assert fetched["token"] == "ci-runner"  # the fill ran for this request
     assert TOKEN not in log.read_text() and "abcdefghij" not in log.read_text()
 
@@ -137,7 +139,7 @@ async def test_archives_fetched_through_signed_urls_name_the_token_that_asked(
     response = await client.get(f"{BASE}/{url}")  # no Authorization header
     assert response.status == 200
     await response.read()
-    [served] = events(log, "served")
+    [served] = await eventually(log, "served")
     assert served["token"] == "ci-runner" and served["client"] == "127.0.0.1"
 
 
@@ -169,7 +171,7 @@ def test_token_names_and_the_audit_log_are_checked_with_the_config(tmp_path: Pat
     config = load_config(path, environ={})
     assert config.server.audit_log == str(tmp_path / "audit.log")
     assert [config.auth.name_of(i) for i in range(3)] == ["ci", "runner", "token-3"]
-    assert load_config(tmp_path / "none.toml", environ={}).server.audit_log is None
+    assert load_config(None, environ={}).server.audit_log is None
     path.write_text('[server]\naudit_log = "/no/such/dir/audit.log"\n'
                     '[auth]\ntokens = [{ name = "bad name", token = "0123456789abcdefgh" }]\n')
     with pytest.raises(ConfigError) as raised:

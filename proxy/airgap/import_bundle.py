@@ -56,10 +56,11 @@ def _verify_provider(entry: ProviderEntry, staged: dict[str, Path],
     signed_by = None
     for keys, which in checks:
         try:
-            signed_by = signed_by or verify_detached(sums, signature, keys)
+            verified_by = verify_detached(sums, signature, keys)  # every check runs
         except IntegrityError as exc:
             raise BundleError(f"{entry.signature}: the signature does not verify with "
                               f"{which} ({exc.message})") from None
+        signed_by = signed_by or verified_by
     if parse_sha256sums(sums).get(entry.filename) != entry.shasum:
         raise BundleError(f"{entry.sums}: no matching line for {entry.filename}")
     zip_path = staged[entry.zip]

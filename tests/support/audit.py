@@ -3,7 +3,9 @@ test), and configs that write one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +31,13 @@ def with_audit_log(config: Path, log: Path) -> Path:
     assert "[server]\n" in text
     config.write_text(text.replace("[server]\n", f'[server]\naudit_log = "{log}"\n', 1))
     return config
+
+
+async def eventually(path: Path, event: str, count: int = 1, timeout: float = 10,
+                     **fields: object) -> list[dict[str, Any]]:
+    """The lines of one event once there are count of them: a fill writes its line when it
+    ends, which may be after its client got the last byte."""
+    deadline = time.monotonic() + timeout
+    while len(found := events(path, event, **fields)) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return found
