@@ -28,6 +28,20 @@ def test_signature_by_another_key_fails(signer: GpgKey, impostor: GpgKey) -> Non
         verify_detached(DATA, impostor.detach_sign(DATA), [signer.armored_public_key])
 
 
+def test_a_failed_check_names_the_signing_key_and_the_keys_tried(
+        signer: GpgKey, impostor: GpgKey) -> None:
+    signer_id, impostor_id = signer.fingerprint[-16:], impostor.fingerprint[-16:]
+    with pytest.raises(IntegrityError) as raised:
+        verify_detached(DATA, impostor.detach_sign(DATA), [signer.armored_public_key])
+    assert f"made by key {impostor_id}; tried key {signer_id}" in raised.value.message
+    assert (raised.value.signed_by, raised.value.keys_tried) == (impostor_id, (signer_id,))
+    with pytest.raises(IntegrityError) as raised:  # the right key, other bytes
+        verify_detached(DATA + b"x", signer.detach_sign(DATA),
+                        [impostor.armored_public_key, signer.armored_public_key])
+    assert f"made by key {signer_id}; tried keys {impostor_id}, {signer_id}" \
+        in raised.value.message
+
+
 def test_altered_data_fails(signer: GpgKey) -> None:
     with pytest.raises(IntegrityError, match="does not verify"):
         verify_detached(DATA + b"\n", signer.detach_sign(DATA), [signer.armored_public_key])
