@@ -24,10 +24,12 @@ from proxy.core.models import (
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.protocols.status import StatusReport
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.responses import json_body_response, json_response, send_file
+from proxy.web.status_page import CONTENT_SECURITY_POLICY, render_status_page
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -39,6 +41,7 @@ MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
 REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
 ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
+STATUS_KEY = web.AppKey("status_report", StatusReport)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
@@ -69,6 +72,29 @@ async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS_KEY].render()
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def status_json(request: web.Request) -> web.Response:
+    """The status document, for scripts (fields: README, "Status page")."""
+    report = request.app.get(STATUS_KEY)
+    if report is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    response = json_response(await report.document())
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+async def status_page(request: web.Request) -> web.Response:
+    """The status document as a page for people."""
+    report = request.app.get(STATUS_KEY)
+    if report is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    response = web.Response(text=render_status_page(await report.document()),
+                            content_type="text/html", charset="utf-8")
+    response.headers.update({"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                             "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                             "Referrer-Policy": "no-referrer"})
     return response
 
 
@@ -241,6 +267,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz, name="healthz")
     app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")
+    app.router.add_get("/", status_page, name="status_page")
+    app.router.add_get("/status.json", status_json, name="status_json")
     app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
     app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
                        name="mirror")
