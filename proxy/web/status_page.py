@@ -36,6 +36,7 @@ padding:10px 16px}
 .online{background:#2a9d8f}.offline{background:#e9c46a;color:#1d2733}
 .bad{color:#b00020;font-weight:600}.ok{color:#1b7f3b}
 .muted{color:#6b7785}
+#integrity td:first-child,#upstreams td:nth-child(2),#upstreams td:nth-child(3){white-space:nowrap}
 """
 
 
