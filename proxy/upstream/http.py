@@ -149,7 +149,10 @@ class UpstreamHTTP:
                 _require_https(url)
                 await self.egress.check_target(url)
                 hop_headers = dict(headers or {})
-                if token is not None and urlsplit(url).netloc == token_netloc:
+                hop = urlsplit(url)
+                # Credentials written into the URL are the more specific ones; aiohttp refuses
+                # both at once (ValueError), which reached clients as a 500.
+                if token is not None and hop.netloc == token_netloc and not hop.username:
                     hop_headers["Authorization"] = f"Bearer {token}"
                 proxy, proxy_headers = _proxy_for(url)
                 async with self._session.get(url, allow_redirects=False, headers=hop_headers,
