@@ -234,12 +234,13 @@ class ArchiveStore:
 
     # --- use and recency -----------------------------------------------------------------
 
-    def open_to_send(self, path: Path) -> BinaryIO | None:
+    def open_to_send(self, path: Path, use: bool = True) -> BinaryIO | None:
         """Open a stored file to send it, marked in use until the handle is closed: eviction
         by any process sharing the cache leaves it alone meanwhile. None if the file is gone
-        (evicted since it was looked up). Blocks: run it in a thread."""
+        (evicted since it was looked up). use False: reading it leaves its access time (the
+        LRU clock) alone, where the system allows. Blocks: run it in a thread."""
         try:
-            handle = open(path, "rb")
+            handle = open(path, "rb") if use else _open_no_atime(path)
         except FileNotFoundError:
             return None
         mark_in_use(handle.fileno())
@@ -395,6 +396,17 @@ async def _lock_unless_ready(handle: BinaryIO, ready: Ready) -> bool:
     except BaseException:
         handle.close()
         raise
+
+
+def _open_no_atime(path: Path) -> BinaryIO:
+    # O_NOATIME (Linux) is refused for a file of another user: then an ordinary open.
+    flag = getattr(os, "O_NOATIME", 0)
+    try:
+        return os.fdopen(os.open(path, os.O_RDONLY | flag), "rb")
+    except PermissionError:
+        if not flag:
+            raise
+        return open(path, "rb")
 
 
 def _record_use_quietly(path: Path) -> None:
