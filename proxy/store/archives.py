@@ -37,6 +37,7 @@ from proxy.store.usage import (
     evict_least_recently_used,
     lock_exclusive,
     mark_in_use,
+    open_without_atime,
 )
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ class ArchiveStore:
         (evicted since it was looked up). use False: reading it leaves its access time (the
         LRU clock) alone, where the system allows. Blocks: run it in a thread."""
         try:
-            handle = open(path, "rb") if use else _open_no_atime(path)
+            handle = open(path, "rb") if use else open_without_atime(path)
         except FileNotFoundError:
             return None
         mark_in_use(handle.fileno())
@@ -396,17 +397,6 @@ async def _lock_unless_ready(handle: BinaryIO, ready: Ready) -> bool:
     except BaseException:
         handle.close()
         raise
-
-
-def _open_no_atime(path: Path) -> BinaryIO:
-    # O_NOATIME (Linux) is refused for a file of another user: then an ordinary open.
-    flag = getattr(os, "O_NOATIME", 0)
-    try:
-        return os.fdopen(os.open(path, os.O_RDONLY | flag), "rb")
-    except PermissionError:
-        if not flag:
-            raise
-        return open(path, "rb")
 
 
 def _record_use_quietly(path: Path) -> None:

@@ -49,6 +49,19 @@ def mark_in_use(fd: int) -> None:
         pass  # being evicted this instant: this descriptor still reads the whole file
 
 
+def open_without_atime(path: Path) -> BinaryIO:
+    """Open a stored file to read it without moving its access time (the LRU clock), where
+    the system allows: O_NOATIME (Linux), refused for another user's file (then an ordinary
+    open, which may move it)."""
+    flag = getattr(os, "O_NOATIME", 0)
+    try:
+        return os.fdopen(os.open(path, os.O_RDONLY | flag), "rb")
+    except PermissionError:
+        if not flag:
+            raise
+        return open(path, "rb")
+
+
 def evict_least_recently_used(files: list[tuple[Path, int, float]], limit: int, target: int,
                               keep: Path | None) -> tuple[list[tuple[Path, int]], Usage]:
     """Given every stored (path, size, last use), and if they exceed limit: delete the least
