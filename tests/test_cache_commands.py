@@ -101,17 +101,31 @@ def test_bad_input_is_one_clear_line_and_exit_2(
     no_escapes(result)
 
 
-def test_a_missing_or_unreadable_cache_directory_is_named_not_created(
-        proxy: ProxyProcess) -> None:
+def test_a_missing_cache_directory_is_named_not_created(proxy: ProxyProcess) -> None:
     result = proxy.cli("cache", "list")
     assert result.returncode == 2, result.stdout
     assert f"no cache directory at {proxy.cache_dir}" in result.stderr
     assert not proxy.cache_dir.exists()
     no_escapes(result)
+
+
+def test_a_cache_directory_the_store_cannot_open_is_one_line_not_a_traceback(
+        proxy: ProxyProcess) -> None:
+    proxy.cache_dir.mkdir()
+    (proxy.cache_dir / "index").write_text("not the index")  # where the index must go
+    result = proxy.cli("cache", "list")
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"tf-registry-proxy: list stopped: cache directory "
+                           f"{proxy.cache_dir}: ")
+    no_escapes(result)
+
+
+def test_an_unreadable_cache_directory_is_one_clear_line(proxy: ProxyProcess) -> None:
     proxy.cache_dir.mkdir(mode=0o000)
     try:
         if os.access(proxy.cache_dir, os.R_OK):  # root reads anything: nothing to show
-            pytest.skip("running as root")
+            pytest.skip("running as root: every directory is readable")
         result = proxy.cli("cache", "verify")
         assert result.returncode == 2
         assert "is not readable and writable by this user" in result.stderr
@@ -244,7 +258,7 @@ def test_stats_counts_per_kind_and_host_with_the_limit(
     assert stats["hosts"]["registry.terraform.io"]["files"] == 4
     assert stats["limit_bytes"] == 10 << 20
     assert stats["oldest_use"] <= stats["newest_use"]
-    text = proxy.cli("cache", "stats")
+    text = proxy.cli("cache", "stats", env={"TF_REGISTRY_PROXY_CACHE_MAX_SIZE": "10MiB"})
     assert "limit: 10.0 MiB (cache.max_size)" in text.stdout
     assert f"  {RANDOM.split('/')[0]}: 4 files" in text.stdout
 
