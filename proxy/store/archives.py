@@ -37,7 +37,6 @@ from proxy.store.usage import (
     evict_least_recently_used,
     lock_exclusive,
     mark_in_use,
-    open_without_atime,
 )
 
 log = logging.getLogger(__name__)
@@ -235,13 +234,12 @@ class ArchiveStore:
 
     # --- use and recency -----------------------------------------------------------------
 
-    def open_to_send(self, path: Path, use: bool = True) -> BinaryIO | None:
+    def open_to_send(self, path: Path) -> BinaryIO | None:
         """Open a stored file to send it, marked in use until the handle is closed: eviction
         by any process sharing the cache leaves it alone meanwhile. None if the file is gone
-        (evicted since it was looked up). use False: reading it leaves its access time (the
-        LRU clock) alone, where the system allows. Blocks: run it in a thread."""
+        (evicted since it was looked up). Blocks: run it in a thread."""
         try:
-            handle = open(path, "rb") if use else open_without_atime(path)
+            handle = open(path, "rb")
         except FileNotFoundError:
             return None
         mark_in_use(handle.fileno())

@@ -25,6 +25,7 @@ from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
 from proxy.store.metered import MeteredBlobStore, MeteredIndex
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
+from proxy.store.usage import open_to_check
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class DiskBlobStore:
         a use (its access time, at most once a minute; with use False, the access time is
         left as it is where the system allows)."""
         path = self.path_of(key)
-        handle = await quick(self.files.open_to_send, path, use)
+        handle = await quick(self.files.open_to_send if use else open_to_check, path)
         if handle is None:
             return None
         try:
