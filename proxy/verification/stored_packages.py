@@ -226,7 +226,8 @@ class StoredPackages:
             # counted by whoever dropped it; the facts are not about this file.
             log.info("%s; already dropped or replaced", what)
             return
-        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again")
+        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again",
+                                 f"{provider} {version} {platform.key}")
 
     async def _forget_file(self, provider: ProviderAddress, version: str,
                            platform: Platform) -> None:
