@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -52,12 +53,10 @@ class KeyedRateLimitedLog:
     def __init__(self, logger: logging.Logger, *, interval: float = 60.0,
                  level: int = logging.WARNING, max_keys: int = 1024, max_lines: int = 100,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._level = level
-        self._max_keys = max_keys
-        self._max_lines = max_lines
-        self._clock = clock
+        self._new_limit = functools.partial(RateLimitedLog, logger, interval=interval,
+                                            level=level, clock=clock)
+        self._interval, self._clock = interval, clock
+        self._max_keys, self._max_lines = max_keys, max_lines
         self._limits: OrderedDict[Hashable, RateLimitedLog] = OrderedDict()
         self._window_start: float | None = None
         self._window_lines = 0
@@ -71,8 +70,7 @@ class KeyedRateLimitedLog:
             self._window_start, self._window_lines = now, 0
         limited = self._limits.get(key)
         if limited is None:
-            limited = self._limits[key] = RateLimitedLog(
-                self._logger, interval=self._interval, level=self._level, clock=self._clock)
+            limited = self._limits[key] = self._new_limit()
             if len(self._limits) > self._max_keys:
                 self._limits.popitem(last=False)
         else:

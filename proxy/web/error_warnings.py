@@ -11,15 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from proxy.core import models
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.log_limits import KeyedRateLimitedLog
-from proxy.core.models import (
-    ModuleAddress,
-    Platform,
-    ProviderAddress,
-    parse_module_version,
-    parse_version,
-)
 from proxy.core.redaction import excerpt, mask_secrets
 from proxy.verification.packages import SUMS_ID
 
@@ -45,17 +39,18 @@ def artifact_named(route: str, params: Mapping[str, str]) -> str | None:
 
 
 def _provider_artifact(route: str, params: Mapping[str, str]) -> str | None:
-    provider = ProviderAddress.parse(params["hostname"], params["namespace"], params["type"])
+    provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
+                                            params["type"])
     named = f"provider {provider}"
     if route == "provider_versions":
         return named
     if route == "provider_download":
-        platform = Platform.parse(params["os"], params["arch"])
-        return f"{named} {parse_version(params['version'])} {platform.key}"
+        platform = models.Platform.parse(params["os"], params["arch"])
+        return f"{named} {models.parse_version(params['version'])} {platform.key}"
     if route == "provider_sums":
         if not SUMS_ID.fullmatch(params["sums"]) or params["file"] not in _SUMS_FILES:
             return None
-        return f"{named} {parse_version(params['version'])}"
+        return f"{named} {models.parse_version(params['version'])}"
     name = params["name"]
     if name == "index.json":
         return named
@@ -63,16 +58,16 @@ def _provider_artifact(route: str, params: Mapping[str, str]) -> str | None:
         version, platform = provider.parse_archive_filename(name)
         return f"{named} {version} {platform.key}"
     if name.endswith(".json"):
-        return f"{named} {parse_version(name.removesuffix('.json'))}"
+        return f"{named} {models.parse_version(name.removesuffix('.json'))}"
     return None
 
 
 def _module_artifact(route: str, params: Mapping[str, str]) -> str | None:
-    module = ModuleAddress.parse(params["hostname"], params["namespace"], params["name"],
-                                 params["system"])
+    module = models.ModuleAddress.parse(params["hostname"], params["namespace"],
+                                        params["name"], params["system"])
     if route == "module_versions":
         return f"module {module}"
-    version = parse_module_version(params["version"])
+    version = models.parse_module_version(params["version"])
     if params["action"] not in ("download", f"{module.name}-{module.system}-{version}.tar.gz"):
         return None
     return f"module {module} {version}"
