@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import UpstreamConfig
+from proxy.core.activity import Activity
 from proxy.core.errors import (
     FilteredOut,
     InsufficientStorage,
@@ -60,8 +61,9 @@ class ProviderMirror:
     others through a fill."""
 
     def __init__(self, packages: VerifiedPackages, stored: StoredPackages, fills: PackageFills,
-                 config: UpstreamConfig, metrics: Metrics) -> None:
+                 config: UpstreamConfig, metrics: Metrics, activity: Activity) -> None:
         self._packages = packages
+        self._activity = activity
         self._stored = stored
         self._fills = fills
         self._filters = packages.filters
@@ -203,7 +205,11 @@ class ProviderMirror:
         stored = await self._stored.stored(provider, version, platform)
         if stored is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
+            self._activity.requested("provider", str(provider))
             return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
-        return await self._fills.archive(provider, version, platform)
+        filled = await self._fills.archive(provider, version, platform)
+        # Counted once it exists: made-up names cannot crowd out the real ones.
+        self._activity.requested("provider", str(provider))
+        return filled
 

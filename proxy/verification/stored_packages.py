@@ -224,7 +224,8 @@ class StoredPackages:
             # counted by whoever dropped it; the facts are not about this file.
             log.info("%s; already dropped or replaced", what)
             return
-        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again")
+        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again",
+                                 f"{provider} {version} {platform.key}")
         record = await self._packages.stored_facts(provider, version, platform)
         if record is not None:
             await self._packages.save(provider, version, platform,
