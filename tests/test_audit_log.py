@@ -93,7 +93,7 @@ async def test_refusals_that_name_an_artifact_say_why(make: AppClient, registry:
     assert (await offline.get(f"{BASE}/{ZIP}")).status == 404
     refused = events(log, "refused")
     assert [(line["outcome"], line["status"]) for line in refused] == [
-        ("unknown_version", 404), ("not_served", 404), ("offline", 404)]
+        ("unknown_version", 404), ("host_not_allowed", 404), ("offline", 404)]
     assert refused[0] | {**NULL, "version": "9.9.9"} == refused[0]
     assert refused[1]["host"] == "example.com" and "not served" in refused[1]["reason"]
     assert refused[2] | {**NULL, "version": "3.2.1", "os": "linux", "arch": "amd64"} \

@@ -22,9 +22,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from proxy.core.errors import (
+    FilteredOut,
+    HostNotServed,
     InsufficientStorage,
     IntegrityError,
-    NotServed,
     Offline,
     ProxyError,
     Unauthorized,
@@ -95,7 +96,8 @@ class Artifact:
 def refusal(exc: ProxyError) -> str:
     """The outcome of a refused request, one bounded word per cause (the reason field says
     the rest)."""
-    for kind, outcome in ((NotServed, "not_served"), (Offline, "offline"),
+    for kind, outcome in ((HostNotServed, "host_not_allowed"), (FilteredOut, "filtered"),
+                          (Offline, "offline"),
                           (UnknownVersion, "unknown_version"), (IntegrityError, "integrity"),
                           (UpstreamTimeout, "upstream_timeout"),
                           (UpstreamError, "upstream_error"),

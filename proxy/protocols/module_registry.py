@@ -42,6 +42,7 @@ from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
+from proxy.verification.stored_drops import drop_damaged
 from proxy.verification.stored_hashes import (
     CheckedFiles,
     DamagedFile,
@@ -188,12 +189,12 @@ class ModuleRegistry:
         """Delete a damaged stored archive and its record, then count and log it: once, by
         whoever deletes it."""
         self._checked.forget(key)
-        if not await self._archives.delete(key, damage.identity):
+        if not await drop_damaged(self._archives, key, damage, lambda: self._cache.delete(
+                layout.module_archive_record(module, version))):
             # Gone, or replaced by a fill since it was read: the record is the fill's.
             log.info("module %s %s: the stored archive %s; already dropped or replaced",
                      module, version, damage.message)
             return
-        await self._cache.delete(layout.module_archive_record(module, version))
         self._metrics.integrity_failures.labels(damage.kind).inc()
         self._activity.integrity_failure(f"module {module} {version}", damage.kind,
                                          f"the stored archive {damage.message}; dropped")
