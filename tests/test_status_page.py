@@ -124,7 +124,10 @@ async def test_integrity_failures_are_listed_newest_first_with_their_reason(
         await response.read()
     registry.faults.clear()
     registry.faults.add("badsig")
-    assert await fetch(client, f"{RANDOM}/3.6.0.json") == 502
+    # One platform's archive: a VERSION.json checks each platform, and platforms filled
+    # apart may each meet the bad signature (each is listed and counted).
+    assert await fetch(client,
+                       f"{RANDOM}/terraform-provider-random_3.6.0_linux_amd64.zip") == 502
     failures = (await status(client))["integrity_failures"]
 
     assert [(f["kind"], f["artifact"]) for f in failures] == [
