@@ -36,6 +36,7 @@ from proxy.web.responses import remember_prepared
 from proxy.web.routes import (
     ARCHIVES_KEY,
     CONFIG_KEY,
+    FILE_ROUTES,
     METRICS_KEY,
     MIRROR_KEY,
     MODULES_KEY,
@@ -65,7 +66,7 @@ def create_app(config: Config,
     open_storage opens another backend."""
     if open_storage is None:
         open_storage = configured_storage(config.cache)
-    metrics = Metrics()
+    metrics = Metrics(upstream_hosts=sorted(config.upstream.all_hosts), body_routes=FILE_ROUTES)
     middlewares = [error_middleware(metrics)]
     if config.auth.enabled:  # else not a step of every request
         middlewares.append(auth_middleware(config.auth))

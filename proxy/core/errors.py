@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from proxy.core.redaction import mask_secrets
+
+# Why an artifact failed verification: the `kind` label of tfproxy_integrity_failures_total.
+# signature: SHA256SUMS not signed by upstream's keys; sha256sums: the download document and
+# SHA256SUMS disagree; checksum: the bytes are not the listed sha256; archive: not a valid
+# zip; changed: upstream now describes a verified version differently; stored: a file in the
+# cache no longer matches its verified checksum.
+IntegrityKind = Literal["signature", "sha256sums", "checksum", "archive", "changed", "stored"]
+INTEGRITY_KINDS: tuple[IntegrityKind, ...] = get_args(IntegrityKind)
 
 
 class ProxyError(Exception):
@@ -59,9 +69,9 @@ class UpstreamError(ProxyError):
 class IntegrityError(UpstreamError):
     """Upstream bytes failed verification (checksum, SHA256SUMS entry or signature)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: IntegrityKind, message: str) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind: IntegrityKind = kind
 
 
 class UpstreamTimeout(UpstreamError):

@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
-from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.errors import IntegrityError, IntegrityKind, NotFound
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
@@ -262,7 +262,7 @@ class VerifiedPackages:
                                     "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
 
-    def integrity(self, kind: str, message: str) -> IntegrityError:
+    def integrity(self, kind: IntegrityKind, message: str) -> IntegrityError:
         """Count, log and return an integrity failure."""
         self._metrics.integrity_failures.labels(kind).inc()
         log.error("integrity failure (%s): %s", kind, message)

@@ -42,6 +42,8 @@ CONFIG_KEY = web.AppKey("config", Config)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
+# The routes whose answers stream a file: a failure mid-body cuts them off (aborted_responses).
+FILE_ROUTES = ("mirror", "module")
 
 
 async def healthz(_request: web.Request) -> web.Response:
