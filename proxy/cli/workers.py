@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxy.cli.logs import configure_logging
+from proxy.cli.logs import configure_server_logging
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.config import Config
@@ -95,13 +95,12 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
-    configure_logging(config.server.log_level.upper(),
-                      f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    configure_server_logging(config.server, worker=index)
     register_worker(index)
     # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(config.server.shutdown_timeout)
     certificate = ensure_certificate(config.server)
     raise SystemExit(run_loop(run_server(config, ssl_context(certificate), generated_ca,
-                                         reuse_port=True, announce=index == 0),
+                                         reuse_port=True),
                               config.server.event_loop))

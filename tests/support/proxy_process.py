@@ -43,7 +43,7 @@ class ProxyProcess:
 
     def _announced_ca(self) -> Path | None:
         written = self.log.read_bytes()[self._log_start:] if self.log.exists() else b""
-        found = re.findall(r"SSL_CERT_FILE=(\S+)", written.decode(errors="replace"))
+        found = re.findall(r"SSL_CERT_FILE=([^\s\"]+)", written.decode(errors="replace"))
         return Path(found[-1]) if found else None
 
     @property
