@@ -30,9 +30,8 @@ from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
-from proxy.web.auth import SIGNER_KEY, auth_middleware, load_signing_key
-from proxy.web.middleware import SERVER_NAME, error_middleware, json_error_bodies
-from proxy.web.responses import remember_prepared
+from proxy.web.auth import SIGNER_KEY, load_signing_key
+from proxy.web.middleware import response_prepared, route_guard
 from proxy.web.routes import (
     ARCHIVES_KEY,
     CONFIG_KEY,
@@ -67,14 +66,13 @@ def create_app(config: Config,
     if open_storage is None:
         open_storage = configured_storage(config.cache)
     metrics = Metrics(upstream_hosts=sorted(config.upstream.all_hosts), body_routes=FILE_ROUTES)
-    middlewares = [error_middleware(metrics)]
-    if config.auth.enabled:  # else not a step of every request
-        middlewares.append(auth_middleware(config.auth))
-    app = web.Application(middlewares=middlewares)
+    # No middleware: errors, authentication and counting wrap each route's handler once
+    # (route_guard), so a request runs only its own route's steps.
+    app = web.Application()
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
-    add_routes(app)
-    app.on_response_prepare.append(_prepared)
+    add_routes(app, route_guard(metrics, config.auth))
+    app.on_response_prepare.append(response_prepared(metrics))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         # Each resource is closed by the stack as soon as it exists: a start that fails
@@ -134,12 +132,3 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:
     async with serving():
         yield
-
-
-async def _prepared(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare, as one hook (it runs for every response): our Server header, the
-    JSON shape of errors aiohttp makes itself, the note that headers are committed."""
-    response.headers["Server"] = SERVER_NAME
-    if response.status >= 400:
-        await json_error_bodies(request, response)
-    await remember_prepared(request, response)

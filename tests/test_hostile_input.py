@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from yarl import URL
 
 from proxy.config import Config
+from proxy.web.middleware import plain_path, reject_odd_segments
 from tests.support.fake_registry import FakeRegistry
 
 GOOD = ["registry.terraform.io", "hashicorp", "null", "3.2.1.json"]
@@ -98,3 +99,20 @@ async def test_fuzzed_paths_never_5xx(client: TestClient, registry: FakeRegistry
     assert response.status < 500, (path, await response.text())
     after = files_outside(proxy_config.cache.dir, [proxy_config.cache.dir.parent])
     assert {p for p in after - before if not p.is_relative_to(proxy_config.cache.dir)} == set()
+
+
+path_segment = st.one_of(
+    st.sampled_from(["", ".", "..", ".x", "x.", "...", "5.0.0.json", "%2e", "%2E%2e", "%2F",
+                     "%5c", "%00", "%zz", "a\\b", "a\x00b", "\x1f", "\x7f", "\u0085", "\u00e9"]),
+    st.text(alphabet=st.characters(max_codepoint=0x7f), max_size=3))
+path_text = st.tuples(st.sampled_from(["/", ""]), st.lists(path_segment, max_size=6)).map(
+    lambda parts: parts[0] + "/".join(parts[1]))
+
+
+@settings(max_examples=500)
+@given(path_text)
+def test_the_quick_path_check_passes_only_paths_the_full_check_passes(path: str) -> None:
+    # The usual path skips the regular expressions: it must never let through what they
+    # would refuse.
+    if plain_path(path):
+        reject_odd_segments(path)

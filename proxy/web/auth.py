@@ -9,10 +9,10 @@ import hmac
 import os
 import secrets
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from proxy.config.settings import AuthConfig
 from proxy.core.errors import Unauthorized
@@ -20,6 +20,7 @@ from proxy.web.url_signing import EXPIRES, SIGNATURE, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
+Authenticate = Callable[[web.Request], None]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
 
@@ -83,25 +84,25 @@ def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:
     return sum(hmac.compare_digest(given, token) for token in tokens) > 0
 
 
-def auth_middleware(config: AuthConfig) -> Middleware:
-    """Enforce client authentication when tokens are configured."""
+def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
+    """The check each request to route must pass (it raises Unauthorized); None where
+    clients need not authenticate: authentication is off, or route is anonymous."""
+    if not config.enabled or route in _ANONYMOUS_ROUTES:
+        return None
     tokens = tuple(t.value.encode() for t in config.tokens)
+    sums = route == "provider_sums"
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        route = getattr(request.match_info.route, "name", None)
-        if not config.enabled or route in _ANONYMOUS_ROUTES or route is None:
-            return await handler(request)
+    def authenticate(request: web.Request) -> None:
         if _bearer_ok(request, tokens):
-            return await handler(request)
-        if request.path.endswith(_ARCHIVE_SUFFIXES) or route == "provider_sums":
+            return
+        if sums or request.path.endswith(_ARCHIVE_SUFFIXES):
             signer = request.app[SIGNER_KEY]
             if signer.valid(request.path, request.query.get(EXPIRES),
                             request.query.get(SIGNATURE)):
-                return await handler(request)
+                return
             raise Unauthorized("this archive URL is not validly signed or has expired: ask "
                                "for the version document again")
         raise Unauthorized("a bearer token is required (Terraform: a credentials block or "
                            "TF_TOKEN_ variable for this proxy's hostname)")
 
-    return middleware
+    return authenticate

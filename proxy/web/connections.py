@@ -115,7 +115,9 @@ class _HeadDeadline(asyncio.Protocol):
         self._http.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self._watch(data)
+        if self._deadline is not None or not data.endswith(b"\r\n\r\n"):
+            self._watch(data)
+        # else whole heads, none awaited before or after: the usual request, at once
         self._http.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -133,8 +135,6 @@ class _HeadDeadline(asyncio.Protocol):
         self._http.resume_writing()
 
     def _watch(self, data: bytes) -> None:
-        if self._deadline is None and data.endswith(b"\r\n\r\n"):
-            return  # whole heads, none awaited before or after: the usual request, at once
         seen = self._tail + data
         awaited, started = self._deadline is not None, False
         while True:

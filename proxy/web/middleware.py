@@ -1,17 +1,21 @@
-"""Request middleware: JSON error bodies for every failure, and request metrics."""
+"""Around every route: JSON error bodies for every failure, and request metrics."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Awaitable, Callable
+from functools import update_wrapper
 from urllib.parse import unquote
 
 from aiohttp import hdrs, web
-from aiohttp.typedefs import Handler, Middleware
+from aiohttp.typedefs import Handler
 from prometheus_client import Counter
 
+from proxy.config.settings import AuthConfig
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.metrics import Metrics
+from proxy.web.auth import route_authentication
 from proxy.web.responses import PREPARED_RESPONSE_KEY, abort_after_headers, error_body
 
 log = logging.getLogger(__name__)
@@ -19,6 +23,8 @@ log = logging.getLogger(__name__)
 
 # What the Server header says: no library or Python versions in answers.
 SERVER_NAME = "tf-registry-proxy"
+# The route name, and metric label, of requests for paths no route serves.
+UNMATCHED = "unmatched"
 
 
 def json_error(status: int, message: str) -> web.Response:
@@ -40,6 +46,27 @@ async def json_error_bodies(_request: web.Request, response: web.StreamResponse)
         response.headers[hdrs.CONTENT_LENGTH] = str(len(body))
 
 
+def response_prepared(metrics: Metrics) -> Callable[[web.Request, web.StreamResponse],
+                                                    Awaitable[None]]:
+    """The on_response_prepare hook, one function (it runs for every response): our Server
+    header; the JSON shape of errors aiohttp makes itself, counted when the request never
+    reached a route (a request target with no path: `OPTIONS *`, CONNECT); the note that
+    the headers are committed (PREPARED_RESPONSE_KEY)."""
+    count_unrouted = _answer_counter(metrics, UNMATCHED)
+
+    async def prepared(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[hdrs.SERVER] = SERVER_NAME
+        if response.status >= 400:
+            await json_error_bodies(request, response)
+            if request.match_info.http_exception is not None:  # aiohttp's router answered
+                response.charset = None  # as json_error's answers say it
+                count_unrouted(response.status)
+        # A later failure of this request must not be answered with a second response.
+        request[PREPARED_RESPONSE_KEY] = response
+
+    return prepared
+
+
 MAX_PATH_LENGTH = 2048
 _ODD_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\]")  # control characters, backslash
 _DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?=/|$)")
@@ -52,6 +79,21 @@ def reject_odd_path(raw_path: str) -> None:
     if len(raw_path) > MAX_PATH_LENGTH:
         raise BadRequest(f"request path longer than {MAX_PATH_LENGTH} characters")
     path = raw_path.partition("?")[0]
+    if not plain_path(path):
+        reject_odd_segments(path)
+
+
+def plain_path(path: str) -> bool:
+    """Whether path is surely fine, at a fraction of reject_odd_segments' cost (the usual
+    path): nothing to decode, no control character or backslash, no segment starting with
+    a dot."""
+    return ("%" not in path and "\\" not in path and "/." not in path and path.isprintable()
+            and not path.startswith("."))
+
+
+def reject_odd_segments(path: str) -> None:
+    """The whole check of a path without its query: encoded slashes, then (decoded) control
+    characters, backslashes and dot segments."""
     decoded = path
     if "%" in path:
         lowered = path.lower()
@@ -64,40 +106,57 @@ def reject_odd_path(raw_path: str) -> None:
         raise BadRequest("dot segments are not allowed in paths")
 
 
-def error_middleware(metrics: Metrics) -> Middleware:
-    """Turn ProxyError and aiohttp's HTTP errors into JSON; never leak a traceback. A failure
-    after the response headers were sent cannot be answered: it cuts the connection."""
+Guard = Callable[[str, Handler], Handler]
 
-    # The labelled counter of each route and status class, looked up once.
-    counted: dict[tuple[str, int], Counter] = {}
 
-    def count(route: str, status: int) -> None:
-        key = (route, status // 100)
-        child = counted.get(key)
+def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
+    """What wraps each route's handler, once, when the route is added: odd paths refused,
+    then clients authenticated (where auth requires it), ProxyError and aiohttp's HTTP errors
+    turned into JSON (never a traceback), and every answer counted by route and status
+    class. A failure after the response headers were sent cannot be answered: it cuts the
+    connection. No middleware, so nothing else runs per request."""
+
+    def guard(route: str, handler: Handler) -> Handler:
+        # Paths no route serves are answered (404, 405) without asking for credentials.
+        authenticate = None if route == UNMATCHED else route_authentication(auth, route)
+        count = _answer_counter(metrics, route)
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                try:
+                    reject_odd_path(request.raw_path)
+                except UnicodeDecodeError:
+                    raise BadRequest("request path is not valid UTF-8") from None
+                if authenticate is not None:
+                    authenticate(request)
+                response = await handler(request)
+            except Exception as exc:
+                prepared = request.get(PREPARED_RESPONSE_KEY)
+                if prepared is None:
+                    response = _error_response(request, exc)
+                else:
+                    abort_after_headers(request, exc, metrics.aborted_responses, route)
+                    response = prepared  # aiohttp finds it sent and the connection gone
+            count(response.status)
+            return response
+
+        return update_wrapper(guarded, handler)
+
+    return guard
+
+
+def _answer_counter(metrics: Metrics, route: str) -> Callable[[int], None]:
+    """Counts route's answers by status class, each labelled series looked up once."""
+    counted: dict[int, Counter] = {}
+
+    def count(status: int) -> None:
+        status_class = status // 100
+        child = counted.get(status_class)
         if child is None:
-            child = counted[key] = metrics.requests.labels(route, f"{status // 100}xx")
+            child = counted[status_class] = metrics.requests.labels(route, f"{status_class}xx")
         child.inc()
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        route = _route_name(request)
-        try:
-            try:
-                reject_odd_path(request.raw_path)
-            except UnicodeDecodeError:
-                raise BadRequest("request path is not valid UTF-8") from None
-            response = await handler(request)
-        except Exception as exc:
-            prepared = request.get(PREPARED_RESPONSE_KEY)
-            if prepared is None:
-                response = _error_response(request, exc)
-            else:
-                abort_after_headers(request, exc, metrics.aborted_responses, route)
-                response = prepared  # aiohttp finds it sent and the connection gone
-        count(route, response.status)
-        return response
-
-    return middleware
+    return count
 
 
 def _error_response(request: web.Request, exc: Exception) -> web.Response:
@@ -118,10 +177,3 @@ def _error_response(request: web.Request, exc: Exception) -> web.Response:
         return response
     log.error("unexpected error on %s %s", request.method, request.path, exc_info=exc)
     return json_error(500, "internal error")
-
-
-def _route_name(request: web.Request) -> str:
-    info = request.match_info
-    route = getattr(info, "route", None)
-    name = getattr(route, "name", None)
-    return name if isinstance(name, str) else "unmatched"

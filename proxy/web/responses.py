@@ -38,16 +38,16 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
 
 def json_body_response(request: web.Request, document: JsonBody) -> web.Response:
     """Send a serialized document as is, with its strong ETag; 304 when the client holds it."""
-    headers = {"ETag": document.etag}
-    if _holds(request.headers.get("If-None-Match"), document.etag):
-        return web.Response(status=304, headers=headers)
-    return web.Response(body=document.body, content_type="application/json", headers=headers)
+    if_none_match = request.headers.get(hdrs.IF_NONE_MATCH)
+    if if_none_match and _holds(if_none_match, document.etag):
+        return web.Response(status=304, headers={hdrs.ETAG: document.etag})
+    # Every header in one dict with aiohttp's own names: its cheapest way in (a hot path).
+    return web.Response(body=document.body, headers={hdrs.ETAG: document.etag,
+                                                     hdrs.CONTENT_TYPE: "application/json"})
 
 
-def _holds(if_none_match: str | None, etag: str) -> bool:
+def _holds(if_none_match: str, etag: str) -> bool:
     """Whether If-None-Match names etag (weak comparison, as RFC 9110 13.1.2 asks)."""
-    if not if_none_match:
-        return False
     tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
     return "*" in tags or etag in tags
 
@@ -142,13 +142,9 @@ async def _stream(request: web.Request, source: GrowingFile[BlobInfo], content_t
 
 # --- failures after the headers were sent --------------------------------------------------
 
+# Set when a response's status line and headers are committed (on_response_prepare), so that a
+# later failure is not answered with a second response.
 PREPARED_RESPONSE_KEY = web.RequestKey("prepared_response", web.StreamResponse)
-
-
-async def remember_prepared(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: note that this request's status line and headers are committed,
-    so that a later failure is not answered with a second response."""
-    request[PREPARED_RESPONSE_KEY] = response
 
 
 def _abort_reason(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from proxy.config import Config
 from proxy.core.errors import NotFound
@@ -27,6 +28,7 @@ from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
+from proxy.web.middleware import UNMATCHED, Guard
 from proxy.web.responses import json_body_response, json_response, send_file
 
 log = logging.getLogger(__name__)
@@ -79,12 +81,13 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     info = request.match_info
     provider = ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
     name = info["name"]
-    mirror = request.app[MIRROR_KEY]
+    app = request.app
+    mirror = app[MIRROR_KEY]
     if name == "index.json":
         return json_body_response(request, await mirror.list_versions_body(provider))
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
-        signer = request.app.get(SIGNER_KEY)
+        signer = app.get(SIGNER_KEY)
         if signer is None:
             return json_body_response(request,
                                       await mirror.version_document_body(provider, version))
@@ -98,8 +101,8 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
             lambda: _with_signed_archives(request, document, directory, expires)))
     if name.endswith(".zip"):
         return await send_file(request, lambda: mirror.archive(provider, name),
-                               "application/zip", request.app[ARCHIVES_KEY],
-                               request.app[METRICS_KEY].served_bytes.labels("package"))
+                               "application/zip", app[ARCHIVES_KEY],
+                               app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
 
 
@@ -237,21 +240,39 @@ async def module_version_file(request: web.Request) -> web.StreamResponse:
     raise NotFound(f"no such module document {action[:120]!r}")
 
 
-def add_routes(app: web.Application) -> None:
-    """Every route the proxy serves."""
+async def unmatched(request: web.Request) -> web.StreamResponse:
+    """What no route serves: 405 naming the methods allowed where a route serves the path,
+    else 404 (as aiohttp's router answers)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.name != UNMATCHED:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
+
+
+def add_routes(app: web.Application, guard: Guard) -> None:
+    """Every route the proxy serves, each handler wrapped by guard once (see route_guard)."""
     app[BODIES_KEY] = Derived(_HELD_BODIES)
-    app.router.add_get("/healthz", healthz, name="healthz")
-    app.router.add_get("/readyz", readyz, name="readyz")
-    app.router.add_get("/metrics", metrics, name="metrics")
-    app.router.add_get("/.well-known/terraform.json", discovery, name="discovery")
-    app.router.add_get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file,
-                       name="mirror")
+
+    def get(path: str, handler: Handler, name: str) -> None:
+        app.router.add_get(path, guard(name, handler), name=name)
+
+    get("/healthz", healthz, "healthz")
+    get("/readyz", readyz, "readyz")
+    get("/metrics", metrics, "metrics")
+    get("/.well-known/terraform.json", discovery, "discovery")
+    get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file, "mirror")
     provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"
-    app.router.add_get(provider + "/versions", provider_versions, name="provider_versions")
-    app.router.add_get(provider + "/{version}/download/{os}/{arch}", provider_download,
-                       name="provider_download")
-    app.router.add_get(provider + "/{version}/sums/{sums}/{file}", provider_sums,
-                       name="provider_sums")
+    get(provider + "/versions", provider_versions, "provider_versions")
+    get(provider + "/{version}/download/{os}/{arch}", provider_download, "provider_download")
+    get(provider + "/{version}/sums/{sums}/{file}", provider_sums, "provider_sums")
     module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
-    app.router.add_get(module + "/versions", module_versions, name="module_versions")
-    app.router.add_get(module + "/{version}/{action}", module_version_file, name="module")
+    get(module + "/versions", module_versions, "module_versions")
+    get(module + "/{version}/{action}", module_version_file, "module")
+    # Last, and indexed under "/": the router tries it only after every route above, so
+    # unmatched paths get the guard's odd-path check, JSON answer and count too. Any
+    # character, a decoded newline as well: [\s\S].
+    app.router.add_route("*", "/{path:[\\s\\S]*}", guard(UNMATCHED, unmatched),
+                         name=UNMATCHED)
