@@ -4,6 +4,7 @@ worker answers it, shows every request; the version and each worker's resources 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,21 +18,28 @@ from tests.support.proxy_process import ProxyProcess, free_port
 REQUESTS = 24
 
 
+def served_by(log: Path) -> set[str]:
+    """The workers whose access lines show a discovery request."""
+    return set(re.findall(r" (w\d) proxy\.access: \S+ \"GET /\.well-known/", log.read_text()))
+
+
 def test_every_scrape_counts_the_requests_of_every_worker(
         tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
     port, cache = free_port(), tmp_path / "cache"
     proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
                          tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
     with proxy:
-        for _ in range(REQUESTS):  # each on a connection of its own: spread over the workers
+        # Each request on a connection of its own, until both workers served some: the
+        # kernel spreads connections over them once both listen.
+        sent, deadline = 0, time.monotonic() + 60
+        while sent < REQUESTS or served_by(proxy.log) != {"w0", "w1"}:
+            assert time.monotonic() < deadline, "the requests did not reach both workers"
             proxy.get("/.well-known/terraform.json")
+            sent += 1
         scrapes = [proxy.get("/metrics").decode() for _ in range(8)]
-    served_by = set(re.findall(r" (w\d) proxy\.access: \S+ \"GET /\.well-known/",
-                               proxy.log.read_text()))
-    assert served_by == {"w0", "w1"}, "the requests did not reach both workers"
     for text in scrapes:
         assert sample(text, "tfproxy_http_requests_total", route="discovery",
-                      status_class="2xx") == REQUESTS
+                      status_class="2xx") == sent
     last = scrapes[-1]
     assert sample(last, "tfproxy_build_info", version=__version__) == 1
     for worker in ("0", "1"):  # each worker's resources, labelled
