@@ -27,7 +27,6 @@ CLIENT_TOKEN = "client-token-NEVER-LOGGED-0123456789"
 HOST_TOKEN = "host-token-NEVER-LOGGED"
 ENV_TOKEN = "env-token-NEVER-LOGGED"
 SERVICE_PASSWORD = "service-password-NEVER-LOGGED"
-SESSION_TOKEN = "aws-session-token-NEVER-LOGGED"
 TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) ")
 
 
@@ -47,8 +46,7 @@ token = "{HOST_TOKEN}"
 "providers.v1" = "https://svc:{SERVICE_PASSWORD}@private.example/v1/providers/"
 """
     port, cache = free_port(), tmp_path / "cache"
-    env = {**s3_env(s3_server), "AWS_SESSION_TOKEN": SESSION_TOKEN,
-           "TF_TOKEN_registry_terraform_io": ENV_TOKEN,
+    env = {**s3_env(s3_server), "TF_TOKEN_registry_terraform_io": ENV_TOKEN,
            "TF_REGISTRY_PROXY_SERVER_WORKERS": "2",
            "TF_REGISTRY_PROXY_SERVER_LOG_FORMAT": log_format,
            "TF_REGISTRY_PROXY_SERVER_ACCESS_LOG": "json"}
@@ -67,7 +65,8 @@ def _assert_startup_once(messages: list[str], s3_server: S3Server) -> None:
         assert len(found) == 1, (pattern, found)
         return found[0]
 
-    first = once(r"^tf-registry-proxy \S+ starting, online; listening on 127\.0\.0\.1:\d+")
+    first = once(r"^tf-registry-proxy \S+ starting, online; server\.listen 127\.0\.0\.1:\d+, "
+                 r"clients use https://127\.0\.0\.1:\d+/, ")
     assert "2 worker processes" in first
     once(r"SSL_CERT_FILE=")
     hosts = once(r"^upstream hosts allowed: ")
@@ -83,7 +82,7 @@ def _assert_startup_once(messages: list[str], s3_server: S3Server) -> None:
 
 
 def _assert_no_secret(output: str, s3_server: S3Server) -> None:
-    for secret in (CLIENT_TOKEN, HOST_TOKEN, ENV_TOKEN, SERVICE_PASSWORD, SESSION_TOKEN,
+    for secret in (CLIENT_TOKEN, HOST_TOKEN, ENV_TOKEN, SERVICE_PASSWORD, s3_server.access_key,
                    s3_server.secret_key):
         assert secret not in output
 

@@ -22,9 +22,9 @@ def startup_lines(config: Config, generated_ca: Path | None) -> list[str]:
     mode = ("offline: upstream is never contacted, only cached artifacts are served"
             if upstream.offline else "online")
     host = f"[{server.host}]" if ":" in server.host else server.host
-    lines = [f"tf-registry-proxy {__version__} starting, {mode}; listening on "
-             f"{host}:{server.port} ({server.base_url}, network mirror at "
-             f"{server.base_url}mirror/), {workers}"]
+    # Not yet "listening": the port is bound after this (a port in use is a failure).
+    lines = [f"tf-registry-proxy {__version__} starting, {mode}; server.listen "
+             f"{host}:{server.port}, clients use {server.base_url}, {workers}"]
     if generated_ca is not None:
         lines.append("serving with a generated certificate; clients trust it with "
                      f"SSL_CERT_FILE={generated_ca}")
