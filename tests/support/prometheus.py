@@ -32,6 +32,23 @@ def alert_expression(name: str) -> str:
     raise KeyError(name)
 
 
+def prometheus_config(target_port: int, ca_file: Path | None = None) -> str:
+    """A Prometheus configuration: the shipped rules, evaluated and scraped every second from
+    127.0.0.1:target_port (over HTTPS trusting ca_file, if given) as job tf-registry-proxy."""
+    tls = f"\n    scheme: https\n    tls_config:\n      ca_file: {ca_file}" if ca_file else ""
+    return f"""
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files:
+  - {OPS / 'prometheus-alerts.yml'}
+scrape_configs:
+  - job_name: {JOB}{tls}
+    static_configs:
+      - targets: ["127.0.0.1:{target_port}"]
+"""
+
+
 class Prometheus:
     """`prometheus` scraping https://127.0.0.1:PORT/metrics (trusting ca_file) as job
     tf-registry-proxy, its data in work."""
@@ -43,20 +60,7 @@ class Prometheus:
         self.base = f"http://127.0.0.1:{self.port}"
         work.mkdir(parents=True, exist_ok=True)
         config = work / "prometheus.yml"
-        config.write_text(f"""
-global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
-rule_files:
-  - {OPS / 'prometheus-alerts.yml'}
-scrape_configs:
-  - job_name: {JOB}
-    scheme: https
-    tls_config:
-      ca_file: {ca_file}
-    static_configs:
-      - targets: ["127.0.0.1:{target_port}"]
-""")
+        config.write_text(prometheus_config(target_port, ca_file))
         self._command = [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
                          f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
         self._log = work / "prometheus.log"
