@@ -76,6 +76,8 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
         await runner.cleanup()
         return fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
                     f"{exc.strerror or exc}")
+    # One line per serving process, once its port is bound (the summary came before).
+    log.info("listening on %s port %d", server.host, server.port)
     signals = StopSignals()
     # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
     signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))
