@@ -11,11 +11,14 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.config.filters import Filters
 from proxy.config.settings import CacheConfig
+from proxy.core.activity import Activity
+from proxy.core.activity_share import SnapshotShare
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.protocols.status import StatusReport, snapshot_directory
 from proxy.store.disk import open_disk_storage
 from proxy.store.protocol import StorageOpener
 from proxy.tls.state import StatePaths
@@ -40,6 +43,7 @@ from proxy.web.routes import (
     MIRROR_KEY,
     MODULES_KEY,
     REGISTRY_KEY,
+    STATUS_KEY,
     add_routes,
 )
 from proxy.web.url_signing import UrlSigner
@@ -98,21 +102,26 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     cache_dir = config.cache.dir
     storage = await open_storage(config.cache, metrics, opened)
     archives, cache = storage.blobs, storage.index
+    activity = Activity()  # what the status page shows, recorded where it happens
+    status = StatusReport(config, activity, metrics, archives,
+                          SnapshotShare(snapshot_directory(config)))
+    await opened.enter_async_context(status.sharing())
+    app[STATUS_KEY] = status
     egress = EgressPolicy.from_config(config.upstream)
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)
-    http = UpstreamHTTP(session, config.upstream, metrics, egress)
+    http = UpstreamHTTP(session, config.upstream, metrics, egress, activity)
     # One view of what is served (hosts, then filters), shared by every service.
     filters = Filters(config.filters, config.upstream)
     discovery = Discovery(http, config.upstream, filters)
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
-                                config.upstream, metrics, filters)
+                                config.upstream, metrics, filters, activity)
     opened.push_async_callback(packages.close)
     stored = StoredPackages(packages, archives, config.upstream)
     opened.push_async_callback(stored.close)
     fills = PackageFills(packages, stored, archives, config.upstream, metrics)
     opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
-    mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics)
+    mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics, activity)
     opened.push_async_callback(mirror.close)
     registry = ProviderRegistryService(packages, stored, config.upstream)
     opened.push_async_callback(registry.close)
@@ -122,7 +131,7 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     opened.push_async_callback(git_gate.close)
     sources = ModuleSourceFetcher(http, config.modules, git_ca, git_gate)
     modules = ModuleRegistry(ModuleRegistryClient(http, discovery), sources, cache, archives,
-                             config.upstream, metrics, filters)
+                             config.upstream, metrics, filters, activity)
     opened.push_async_callback(modules.close)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror

@@ -21,6 +21,7 @@ from proxy.web.access_log import (
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP
+from tests.support.tools import prometheus_tool
 
 
 async def test_readyz_is_ready_with_a_writable_cache(client: TestClient) -> None:
@@ -90,8 +91,7 @@ async def test_metrics_move_and_pass_promtool(client: TestClient,
     # Labels stay bounded: no version, provider, os or arch anywhere.
     for forbidden in ("3.2.1", "hashicorp", "linux", "amd64", "null"):
         assert forbidden not in text
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool (Debian package prometheus) is needed: see README"
+    promtool = prometheus_tool("promtool")
     checked = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
                              capture_output=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -4,7 +4,6 @@ the alert rules load. Also: the rules pass promtool's checks and unit tests."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,14 +19,13 @@ from tests.support.fake_registry import FakeRegistry
 from tests.support.mirror_paths import BASE, ZIP
 from tests.support.prometheus import prometheus_config
 from tests.support.proxy_process import free_port
+from tests.support.tools import prometheus_tool
 
 OPS = Path(__file__).parent.parent / "ops"
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    assert path, "promtool (Debian package prometheus) is needed: see README"
-    return path
+    return prometheus_tool("promtool")
 
 
 def test_alert_rules_pass_promtool() -> None:
@@ -40,8 +38,7 @@ def test_alert_rules_pass_promtool() -> None:
 
 @pytest.fixture
 async def prometheus(tmp_path: Path) -> AsyncIterator[Callable[[int], asyncio.Future[str]]]:
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus (Debian package prometheus) is needed: see README"
+    binary = prometheus_tool("prometheus")
     port = free_port()
     processes: list[asyncio.subprocess.Process] = []
 

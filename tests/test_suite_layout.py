@@ -59,3 +59,24 @@ def test_every_form_of_importing_a_test_module_is_caught(code: str) -> None:
     "import proxy.store.archives", "from . import conftest", "from .support import x"])
 def test_imports_of_helpers_are_not_caught(code: str) -> None:
     assert imports_of_test_modules(code, "tests") == [], code
+
+
+def readme_test_command() -> list[str]:
+    """The lines of the README's "Install and run the tests" command block."""
+    readme = (TESTS.parent / "README.md").read_text()
+    after = readme.split("Install and run the tests", 1)[1]
+    return after.split("```sh\n", 1)[1].split("```", 1)[0].strip().splitlines()
+
+
+def test_ci_runs_the_readme_test_command_which_starts_no_service() -> None:
+    command = readme_test_command()
+    ci = (TESTS.parent / ".ci" / "run").read_text().splitlines()
+    assert [line for line in ci if line in command] == command  # verbatim, in order
+    installs = [line for line in command if "apt-get install" in line]
+    assert installs and all("--no-install-recommends" in line for line in installs)
+    installed = " ".join(installs).split()
+    # chromium renders the status page; prometheus is only unpacked (its package would start
+    # the server, and recommend node-exporter, as services on the host).
+    assert "chromium" in installed and "prometheus" not in installed
+    assert any("apt-get download prometheus" in line and "dpkg-deb -x" in line
+               for line in command)

@@ -179,3 +179,21 @@ async def test_https_proxy_credentials_come_from_its_url_only(
         assert set(tunnel.authorizations) == {expected}
     finally:
         await tunnel.stop()
+
+
+async def test_credentials_in_a_service_url_win_over_the_hosts_token(
+        aiohttp_client, write_config: Callable[..., Path],  # type: ignore[no-untyped-def]
+        registry: FakeRegistry) -> None:
+    # Both at once made aiohttp raise ValueError, which reached the client as a 500.
+    extra = f"""
+[upstream.hosts."private.example.com"]
+token = "host-token"
+[upstream.hosts."private.example.com".services]
+"providers.v1" = "https://svc:url-password@127.0.0.1:{registry.port}/v1/providers/"
+"""
+    client: TestClient = await aiohttp_client(create_app(load_config(write_config(extra=extra),
+                                                                     environ={})))
+    response = await client.get("/mirror/private.example.com/hashicorp/null/index.json")
+    assert response.status == 200, await response.text()
+    basic = "Basic " + base64.b64encode(b"svc:url-password").decode()
+    assert registry.authorizations[0] == ("/v1/providers/hashicorp/null/versions", basic)

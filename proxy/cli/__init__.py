@@ -1,5 +1,6 @@
 """Command line: `serve`, `client-config`, `healthcheck`, `tls`, and the air-gap commands
-`warm`, `export`, `import` and `keygen`, and `prune`; one module per command group."""
+`warm`, `export`, `import` and `keygen`, and `prune` and `cache`; one module per command
+group."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy.cli.arguments import build_parser
+from proxy.cli.cache import cache_command
 from proxy.cli.client_config import render_client_config
 from proxy.cli.healthcheck import healthcheck
 from proxy.cli.keys import keygen, tls
@@ -49,4 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command(config, args)
     if args.command == "prune":
         return prune_command(config, args)
+    if args.command == "cache":
+        return cache_command(config, args)
     return serve(config)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from proxy import __version__
 from proxy.airgap.signing import PUBLIC_KEY_FILE, SECRET_KEY_FILE
-from proxy.cli.prune import duration
+from proxy.cli.cache import add_cache_commands
+from proxy.cli.prune import add_prune_options
 
 _EPILOGS = {
     "import": "Trust: a bundle imports only if its manifest signature verifies with one of the "
@@ -41,10 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--signing-key) and verifies them (import --bundle-key)"),
                        ("tls", "show the generated CA, or replace it (rotate)"),
                        ("prune", "remove what the cache holds that was not used lately "
-                                 "(run it from cron)")):
+                                 "(run it from cron; the same as `cache prune`)"),
+                       ("cache", "list, verify, prune or count what the cache holds")):
         command = commands.add_parser(name, help=text, description=text,
                                       epilog=_EPILOGS.get(name))
-        if name != "keygen":
+        if name == "cache":  # its commands take --config themselves
+            add_cache_commands(command)
+        elif name != "keygen":
             command.add_argument("--config", type=Path, metavar="FILE",
                                  help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
                                       "else built-in defaults)")
@@ -106,13 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="show: the CA's path, names and expiry; rotate: replace the CA (every "
                      "client must then trust the new one)")
         if name == "prune":
-            command.add_argument("--unused-for", type=duration, required=True,
-                                 metavar="DURATION",
-                                 help="remove packages and modules no replica used for this "
-                                      "long (e.g. 30d, 12h, 2w; at least 1h), with their "
-                                      "records")
-            command.add_argument("--dry-run", action="store_true",
-                                 help="print what would be removed; remove nothing")
+            add_prune_options(command)
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=("mirror", "registry"), default="mirror",

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
 from proxy.config.settings import FiltersConfig, UpstreamConfig
-from proxy.core.errors import NotFound
+from proxy.core.errors import FilteredOut, HostNotServed
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 
 
@@ -28,22 +28,22 @@ class Filters:
         self._upstream = upstream or UpstreamConfig()
 
     def require_host(self, hostname: str) -> None:
-        """NotFound unless the proxy serves (and may contact) this upstream host. Checked
+        """HostNotServed unless the proxy serves (and may contact) this upstream host. Checked
         before the cache too: a host dropped from the config is not served from disk."""
         if not self._upstream.serves(hostname):
-            raise NotFound(f"host {hostname} is not served by this proxy")
+            raise HostNotServed(f"host {hostname} is not served by this proxy")
 
     def require_provider(self, provider: ProviderAddress) -> None:
-        """NotFound unless the proxy serves this provider (host allowed, filters pass)."""
+        """HostNotServed or FilteredOut unless the proxy serves this provider."""
         self.require_host(provider.hostname)
         if not self.provider_allowed(provider):
-            raise NotFound(f"{provider} is not served by this proxy (filters)")
+            raise FilteredOut(f"{provider} is not served by this proxy (filters)")
 
     def require_module(self, module: ModuleAddress) -> None:
-        """NotFound unless the proxy serves this module (host allowed, filters pass)."""
+        """HostNotServed or FilteredOut unless the proxy serves this module."""
         self.require_host(module.hostname)
         if not self.module_allowed(module):
-            raise NotFound(f"module {module} is not served by this proxy (filters)")
+            raise FilteredOut(f"module {module} is not served by this proxy (filters)")
 
     def provider_allowed(self, provider: ProviderAddress) -> bool:
         """Whether this provider is served at all."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
+from proxy.core.activity import Activity
 from proxy.core.errors import NotFound, Offline, ProxyError
 from proxy.core.executors import quick, slow
 from proxy.core.json_bodies import JsonBody
@@ -40,6 +41,7 @@ from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
+from proxy.verification.stored_drops import drop_damaged
 from proxy.verification.stored_hashes import (
     CheckedFiles,
     DamagedFile,
@@ -57,17 +59,18 @@ class ModuleRegistry:
 
     def __init__(self, client: ModuleRegistryClient, sources: ModuleSourceFetcher,
                  cache: MetadataIndex, archives: BlobStore, config: UpstreamConfig,
-                 metrics: Metrics, filters: Filters) -> None:
+                 metrics: Metrics, filters: Filters, activity: Activity) -> None:
         self._client = client
         self._sources = sources
         self._cache = cache
         self._archives = archives
         self._offline = config.offline
         self._metrics = metrics
+        self._activity = activity
         self._filters = filters
         self._version_lists = RefreshingDocuments[list[str]](
             "module_versions", cache, metrics, config.versions_ttl,
-            encode=list, decode=list, offline=config.offline)
+            encode=list, decode=list, offline=config.offline, on_stale=activity.stale_answer)
         self._archive_fills: SingleFlight[BlobInfo] = SingleFlight(exclusive=self._fill_scope)
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
         self._checked = CheckedFiles(archives)
@@ -100,12 +103,14 @@ class ModuleRegistry:
         """
         self._filters.require_module(module)
         if await self._archives.stat(layout.module_archive(module, version)) is not None:
+            self._activity.requested("module", str(module))
             return
         if self._offline:
             raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
                           "offline")
         if version not in await self._versions(module, wanted=version):
             raise NotFound(f"module {module} has no version {version}")
+        self._activity.requested("module", str(module))  # one that exists: names stay few
         self._start_fill(module, version)
 
     async def archive(self, module: ModuleAddress, version: str) -> BlobInfo:
@@ -125,6 +130,7 @@ class ModuleRegistry:
     async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
         return await self._version_lists.get(
             layout.module_version_list_record(module), lambda: self._client.list_versions(module),
+            origin=module.hostname,
             knows=None if wanted is None else (lambda versions: wanted in versions))
 
     # --- archives ------------------------------------------------------------------------
@@ -180,13 +186,15 @@ class ModuleRegistry:
         """Delete a damaged stored archive and its record, then count and log it: once, by
         whoever deletes it."""
         self._checked.forget(key)
-        if not await self._archives.delete(key, damage.identity):
+        if not await drop_damaged(self._archives, key, damage, lambda: self._cache.delete(
+                layout.module_archive_record(module, version))):
             # Gone, or replaced by a fill since it was read: the record is the fill's.
             log.info("module %s %s: the stored archive %s; already dropped or replaced",
                      module, version, damage.message)
             return
-        await self._cache.delete(layout.module_archive_record(module, version))
         self._metrics.integrity_failures.labels(damage.kind).inc()
+        self._activity.integrity_failure(f"module {module} {version}", damage.kind,
+                                         f"the stored archive {damage.message}; dropped")
         log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
                   "fetched again", damage.kind, module, version, damage.message)
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import UpstreamConfig
+from proxy.core.activity import Activity
 from proxy.core.errors import (
+    FilteredOut,
     InsufficientStorage,
     IntegrityError,
     NotFound,
@@ -59,8 +61,9 @@ class ProviderMirror:
     others through a fill."""
 
     def __init__(self, packages: VerifiedPackages, stored: StoredPackages, fills: PackageFills,
-                 config: UpstreamConfig, metrics: Metrics) -> None:
+                 config: UpstreamConfig, metrics: Metrics, activity: Activity) -> None:
         self._packages = packages
+        self._activity = activity
         self._stored = stored
         self._fills = fills
         self._filters = packages.filters
@@ -137,7 +140,7 @@ class ProviderMirror:
             raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
         platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
         if not platforms:
-            raise NotFound(f"{provider} {version} is not served for any platform (filters)")
+            raise FilteredOut(f"{provider} {version} is not served for any platform (filters)")
         limit = asyncio.Semaphore(_PLATFORM_FETCH_CONCURRENCY)
 
         async def one(platform: Platform) -> VerifiedPackage:
@@ -172,10 +175,19 @@ class ProviderMirror:
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
         if not archives:
+            # The answer keeps the failures' kind where they share one: the log line that
+            # explains it to the operator says what to do by kind (web/error_warnings.py).
+            first = failures[0]
+            if all(isinstance(f, Offline) for f in failures):
+                raise Offline(f"no package of {provider} {version}: {first.message}")
             if all(isinstance(f, NotFound) for f in failures):
-                raise NotFound(f"no package of {provider} {version}: {failures[0].message}")
+                raise NotFound(f"no package of {provider} {version}: {first.message}")
             if all(isinstance(f, InsufficientStorage) for f in failures):
-                raise failures[0]
+                raise first
+            if isinstance(first, IntegrityError) and all(
+                    isinstance(f, IntegrityError) for f in failures):
+                raise IntegrityError(first.kind, f"no package of {provider} {version} "
+                                                 f"verifies: {first.message}")
             raise UpstreamError(f"no package of {provider} {version} could be fetched: "
                                 f"{failures[0].message}")
         every_platform = len(archives) == len(platforms)
@@ -189,11 +201,15 @@ class ProviderMirror:
         self._packages.require_served(provider)
         version, platform = provider.parse_archive_filename(filename)
         if not self._filters.platform_allowed(platform):
-            raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
+            raise FilteredOut(f"{platform.key} packages are not served by this proxy (filters)")
         stored = await self._stored.stored(provider, version, platform)
         if stored is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
+            self._activity.requested("provider", str(provider))
             return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
-        return await self._fills.archive(provider, version, platform)
+        filled = await self._fills.archive(provider, version, platform)
+        # Counted once it exists: made-up names cannot crowd out the real ones.
+        self._activity.requested("provider", str(provider))
+        return filled
 

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from proxy.config import UpstreamConfig
-from proxy.core.errors import NotFound
+from proxy.core.errors import FilteredOut, NotFound
 from proxy.core.held import keep_recent
 from proxy.core.json_bodies import JsonBody
 from proxy.core.models import Platform, ProviderAddress
@@ -77,7 +77,7 @@ class ProviderRegistryService:
         memory from then on."""
         self._packages.require_served(provider)
         if not self._filters.platform_allowed(platform):
-            raise NotFound(f"{platform.key} packages are not served by this proxy (filters)")
+            raise FilteredOut(f"{platform.key} packages are not served by this proxy (filters)")
         key = (str(provider), version, platform.key)
         held = self._downloads.get(key)
         if held is not None:

@@ -25,6 +25,7 @@ from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
 from proxy.store.metered import MeteredBlobStore, MeteredIndex
 from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
+from proxy.store.usage import open_to_check
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +182,12 @@ class DiskBlobStore:
         identity = await self.files.identity(self.path_of(key))
         return None if identity is None else _info(key, identity)
 
-    async def open(self, key: str) -> DiskBlob | None:
+    async def open(self, key: str, use: bool = True) -> DiskBlob | None:
         """Open the file, marked in use (eviction by any process leaves it alone), and record
-        a use (its access time, at most once a minute)."""
+        a use (its access time, at most once a minute; with use False, the access time is
+        left as it is where the system allows)."""
         path = self.path_of(key)
-        handle = await quick(self.files.open_to_send, path)
+        handle = await quick(self.files.open_to_send if use else open_to_check, path)
         if handle is None:
             return None
         try:
@@ -193,7 +195,8 @@ class DiskBlobStore:
         except BaseException:
             handle.close()
             raise
-        self.files.touch(path)
+        if use:
+            self.files.touch(path)
         return blob
 
     async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:

@@ -46,8 +46,10 @@ class RefreshingDocuments(Generic[T]):
 
     def __init__(self, kind: str, cache: MetadataIndex, metrics: Metrics, ttl: float,
                  encode: Callable[[T], Any], decode: Callable[[Any], T],
-                 offline: bool = False) -> None:
+                 offline: bool = False,
+                 on_stale: Callable[[str], None] | None = None) -> None:
         self._kind = kind
+        self._on_stale = on_stale  # told the origin host of each stale answer
         self._offline = offline
         self._cache = cache
         self._metrics = metrics
@@ -68,9 +70,9 @@ class RefreshingDocuments(Generic[T]):
         await self._rechecks.cancel_all()
 
     async def get(self, key: str, fetch: Callable[[], Awaitable[T]],
-                  knows: Callable[[T], bool] | None = None) -> T:
-        """The document at key (the same object while its record is unchanged). `knows` says
-        whether a copy holds what the caller wants."""
+                  knows: Callable[[T], bool] | None = None, origin: str = "") -> T:
+        """The document at key (the same object while its record is unchanged), fetched from
+        the upstream host origin. `knows` says whether a copy holds what the caller wants."""
         held = self._held.get(key)
         if held is not None and self._still_good(held, knows):
             self._held.move_to_end(key)
@@ -91,7 +93,7 @@ class RefreshingDocuments(Generic[T]):
             self._metrics.cache_lookups.labels(self._kind, "hit").inc()
             return copy
         if self._failing(key):
-            return self._stale(key, copy, "upstream failed recently")
+            return self._stale(key, copy, "upstream failed recently", origin)
         if known:
             self._metrics.cache_lookups.labels(self._kind, "revalidate").inc()
             self._refresh_in_background(key, fetch)
@@ -99,7 +101,7 @@ class RefreshingDocuments(Generic[T]):
         try:
             return await self._refresh(key, fetch)
         except UpstreamError as exc:
-            return self._stale(key, copy, exc.message)
+            return self._stale(key, copy, exc.message, origin)
 
     def _still_good(self, held: _Held[T], knows: Callable[[T], bool] | None) -> bool:
         """Whether a held copy answers without reading the store: online while it is fresh
@@ -163,7 +165,9 @@ class RefreshingDocuments(Generic[T]):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _stale(self, key: str, copy: T, reason: str) -> T:
+    def _stale(self, key: str, copy: T, reason: str, origin: str) -> T:
         self._metrics.cache_lookups.labels(self._kind, "stale").inc()
+        if self._on_stale is not None:
+            self._on_stale(origin)
         log.warning("serving stale %s: %s", key, reason)
         return copy

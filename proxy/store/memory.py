@@ -172,14 +172,15 @@ class MemoryBlobStore:
         blob = self._blobs.get(key)
         return None if blob is None else blob.info
 
-    async def open(self, key: str) -> MemoryBlob | None:
+    async def open(self, key: str, use: bool = True) -> MemoryBlob | None:
         """Open the blob at key (a use: it moves up the LRU)."""
         check_key(key)
         blob = self._blobs.get(key)
         if blob is None:
             return None
-        self._blobs.move_to_end(key)
-        self._used[key] = time.time()
+        if use:
+            self._blobs.move_to_end(key)
+            self._used[key] = time.time()
         self._reading[key] += 1
 
         def release() -> None:

@@ -70,9 +70,9 @@ class MeteredBlobStore:
         """Counted as stat."""
         return await self._meter.timed("stat", self.inner.stat(key))
 
-    async def open(self, key: str) -> OpenBlob | None:
+    async def open(self, key: str, use: bool = True) -> OpenBlob | None:
         """Counted as open."""
-        return await self._meter.timed("open", self.inner.open(key))
+        return await self._meter.timed("open", self.inner.open(key, use))
 
     async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:
         """Counted as delete."""

@@ -123,8 +123,9 @@ class BlobStore(Protocol):
         """The blob at key, without opening it; None if there is none."""
         ...
 
-    async def open(self, key: str) -> OpenBlob | None:
-        """Open the blob at key to read it, recorded as a use; None if there is none."""
+    async def open(self, key: str, use: bool = True) -> OpenBlob | None:
+        """Open the blob at key to read it, recorded as a use (unless use is False: a check
+        of every blob is no use); None if there is none."""
         ...
 
     async def delete(self, key: str, identity: FileIdentity | None = None) -> bool:

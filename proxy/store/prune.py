@@ -1,5 +1,6 @@
-"""Bounding a store by use (the `prune` command): blobs not used for a while go, with the
-record that vouches for each, and so does what a crash or a deletion left behind.
+"""Bounding a store by use (`cache prune`): blobs not used for a while (or those an address
+pattern selects, or the least recently used beyond a size) go, with the record that vouches
+for each, and so does what a crash or a deletion left behind.
 
 Order matters to readers: a blob is served only while its record vouches for it, so the
 record goes first (the blob becomes invisible: a request fills it again from upstream), then
@@ -9,10 +10,12 @@ the blob. A blob's last use is the latest of its write time and the use its stor
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.store import layout
+from proxy.store.contents import AddressPattern, HeldBlob, describe
 from proxy.store.protocol import BlobInfo, Storage
 
 log = logging.getLogger(__name__)
@@ -34,45 +37,73 @@ class PruneReport:
     leases: int = 0
     kept: int = 0
     removed: list[str] = field(default_factory=list)
+    # Blobs removed by why: unused, selected (by the pattern), least recently used (size).
+    reasons: Counter[str] = field(default_factory=Counter)
 
     def summary(self, dry_run: bool) -> str:
         """One line for the operator."""
         verb = "would remove" if dry_run else "removed"
-        return (f"prune: {verb} {self.blobs} unused blobs and {self.records} records "
+        gone = ", ".join(f"{count} {reason} blobs" for reason, count in self.reasons.items()
+                         if count) or "0 unused blobs"
+        return (f"prune: {verb} {gone} and {self.records} records "
                 f"({self.freed} bytes freed), {self.orphaned_blobs} blobs without a record, "
                 f"{self.orphaned_records} records without a blob, {self.marks} stale "
                 f"last-use marks, {self.leases} expired leases; {self.kept} blobs kept")
 
 
 @dataclass(frozen=True)
+class PruneRules:
+    """What goes besides what crashes left: blobs unused for unused_for seconds; every blob
+    pattern selects (with unused_for or to_size: only those of them that rule takes); then
+    the least recently used (of those pattern selects) until the store's packages and
+    module archives take at most to_size bytes."""
+
+    unused_for: float | None = None
+    pattern: AddressPattern | None = None
+    to_size: int | None = None
+
+
+@dataclass(frozen=True)
 class _Plan:
-    unused: list[tuple[BlobInfo, str | None]]  # blob, its record key if it has one
+    chosen: list[tuple[BlobInfo, str | None, str]]  # blob, its record key if any, why
     orphaned_blobs: list[BlobInfo]
     orphaned_records: list[str]
     stale_marks: list[str]
     kept: int
 
 
-async def prune(storage: Storage, unused_for: float, now: float, dry_run: bool = False,
-                report: Callable[[str], None] | None = None) -> PruneReport:
-    """Remove what was not used for unused_for seconds before now (see the module's
-    docstring), and what a crash left: provider packages without a record, module archive
-    records without an archive, last-use marks of blobs that are gone, leases long expired.
-    report: told each key removed."""
-    plan = await _plan(storage, now - unused_for, now - SETTLE_SECONDS)
+async def prune(storage: Storage, unused_for: float | None, now: float, dry_run: bool = False,
+                report: Callable[[str], None] | None = None, *,
+                rules: PruneRules | None = None,
+                progress: Callable[[int, int], None] | None = None) -> PruneReport:
+    """Remove what was not used for unused_for seconds before now (or what rules say; see
+    PruneRules and the module's docstring), and what a crash left: provider packages
+    without a record, module archive records without an archive, last-use marks of blobs
+    that are gone, leases long expired. report: told each key removed; progress: told
+    (blobs done, blobs to go through) as it goes."""
+    rules = rules or PruneRules(unused_for=unused_for)
+    if rules == PruneRules():
+        raise ValueError("a prune needs a rule: an age, a pattern or a size")
+    plan = await _plan(storage, rules, now, now - SETTLE_SECONDS)
     done = PruneReport(kept=plan.kept)
     tell = report or (lambda _line: None)
-    for info, record in plan.unused:
+    step = progress or (lambda _done, _total: None)
+    total = len(plan.chosen) + len(plan.orphaned_blobs)
+    step(0, total)
+    for number, (info, record, reason) in enumerate(plan.chosen, 1):
+        step(number, total)
         if not dry_run:
             if record is not None:
                 await storage.index.delete(record)  # first: the blob is no longer vouched for
             if not await storage.blobs.delete(info.key, info.identity):
-                continue  # replaced since it was listed: a fill's, not unused
+                continue  # replaced since it was listed: a fill's, not the one chosen
         done.blobs += 1
         done.records += record is not None
         done.freed += info.size
-        tell(f"{info.key} ({info.size} bytes, unused)")
-    for info in plan.orphaned_blobs:
+        done.reasons[reason] += 1
+        tell(f"{info.key} ({info.size} bytes, {reason})")
+    for number, info in enumerate(plan.orphaned_blobs, len(plan.chosen) + 1):
+        step(number, total)
         if dry_run or await storage.blobs.delete(info.key, info.identity):
             done.orphaned_blobs += 1
             done.freed += info.size
@@ -94,7 +125,8 @@ async def prune(storage: Storage, unused_for: float, now: float, dry_run: bool =
     return done
 
 
-async def _plan(storage: Storage, unused_before: float, settled_before: float) -> _Plan:
+async def _plan(storage: Storage, rules: PruneRules, now: float,
+                settled_before: float) -> _Plan:
     # Records are listed before blobs: a fill publishes its blob before its record, so a
     # record listed here whose blob is not listed next is one whose blob went.
     records = set(await storage.index.keys(layout.PACKAGE_RECORDS))
@@ -103,26 +135,46 @@ async def _plan(storage: Storage, unused_before: float, settled_before: float) -
     listed = [info for area in layout.AREAS for info in await storage.blobs.list(f"{area}/")]
     uses = await storage.blobs.last_uses("")
     held = {info.key for info in listed}
-    unused: list[tuple[BlobInfo, str | None]] = []
+    chosen: list[tuple[BlobInfo, str | None, str]] = []
     orphaned: list[BlobInfo] = []
-    for info in listed:
-        record = layout.record_of_blob(info.key)
-        if record is None:
-            continue  # not a blob this layout names: left alone
-        has_record = record in records
-        if max(info.mtime, uses.get(info.key, 0.0)) < unused_before:
-            unused.append((info, record if has_record else None))
-        elif not has_record and layout.parse_provider_archive(info.key) is not None \
-                and info.mtime < settled_before:
+    candidates: list[HeldBlob] = []
+    described = [blob for info in listed
+                 if (blob := describe(info, uses.get(info.key, 0.0), records)) is not None]
+    for blob in described:  # keys this layout does not name are left alone
+        if rules.pattern is not None and not rules.pattern.matches(blob.address):
+            continue
+        reason = _reason(rules, blob, now)
+        if reason is not None:
+            chosen.append((blob.info, blob.record if blob.recorded else None, reason))
+        elif not blob.recorded and blob.kind == "provider" and blob.info.mtime < settled_before:
             # Never served (a package is fetched again without its record). Module archives
-            # without one are adopted when asked for: left to the unused rule.
-            orphaned.append(info)
+            # without one are adopted when asked for: left to the other rules.
+            orphaned.append(blob.info)
+        else:
+            candidates.append(blob)
+    if rules.to_size is not None:
+        left = sum(blob.info.size for blob in described) \
+            - sum(info.size for info, _record, _why in chosen) - sum(i.size for i in orphaned)
+        for blob in sorted(candidates, key=lambda blob: blob.last_used):
+            if left <= rules.to_size:
+                break
+            chosen.append((blob.info, blob.record if blob.recorded else None,
+                           "least recently used"))
+            left -= blob.info.size
     gone_records = [record for record in module_records
-                    if (blob := layout.blob_of_record(record)) is not None and blob not in held]
+                    if (archive := layout.blob_of_record(record)) is not None
+                    and archive not in held]
     stale_marks = [key for key, used in uses.items()
                    if key not in held and used < settled_before]
-    return _Plan(unused, orphaned, gone_records, stale_marks,
-                 len(listed) - len(unused) - len(orphaned))
+    return _Plan(chosen, orphaned, gone_records, stale_marks,
+                 len(described) - len(chosen) - len(orphaned))
+
+
+def _reason(rules: PruneRules, blob: HeldBlob, now: float) -> str | None:
+    """Why the age and pattern rules take this (selected) blob; None: they do not."""
+    if rules.unused_for is not None:
+        return "unused" if blob.last_used < now - rules.unused_for else None
+    return "selected" if rules.to_size is None else None
 
 
 async def _expired_leases(storage: Storage, expired_before: float, dry_run: bool,

@@ -214,17 +214,17 @@ class S3BlobStore:
             return _blob_info(found)
         return None if found is None else found[0]
 
-    async def open(self, key: str) -> DiskBlob | RemoteBlob | None:
+    async def open(self, key: str, use: bool = True) -> DiskBlob | RemoteBlob | None:
         """The blob's hot copy, fetched whole first if there is none (once, however many
         ask); a blob too big for hot copies is read from the bucket. While the bucket is
-        unreachable, the newest hot copy is served. A use: its last-use mark is written in
-        the background (at most hourly)."""
-        opened = await self._open(key)
-        if opened is not None:
+        unreachable, the newest hot copy is served. A use (unless use is False): its
+        last-use mark is written in the background (at most hourly)."""
+        opened = await self._open(key, use)
+        if opened is not None and use:
             self.marks.used(key)
         return opened
 
-    async def _open(self, key: str) -> DiskBlob | RemoteBlob | None:
+    async def _open(self, key: str, use: bool) -> DiskBlob | RemoteBlob | None:
         stated = self._stats.recent(key)
         for _attempt in range(2):
             found = stated or await self._find(key)
@@ -232,13 +232,13 @@ class S3BlobStore:
             if found is None:
                 return None
             if isinstance(found, tuple):  # the bucket is unreachable
-                opened = await self.hot.open(found[1])
+                opened = await self.hot.open(found[1], use)
                 if opened is None:
                     raise StoreUnavailable(self.objects.problem() or "the object store is "
                                            "unreachable, and the local copy went")
                 return opened.copy_of(found[0])
             info = _blob_info(found)
-            opened = await self.hot.open(_copy_key(found))
+            opened = await self.hot.open(_copy_key(found), use)
             if opened is not None:
                 return opened.copy_of(info)
             if self._too_big(found):
@@ -254,7 +254,7 @@ class S3BlobStore:
                 return None
             except InsufficientStorage:
                 return RemoteBlob(found, self.objects, self.hot.files.tmp)
-            opened = await self.hot.open(_copy_key(found))
+            opened = await self.hot.open(_copy_key(found), use)
             if opened is not None:
                 return opened.copy_of(info)
         return None

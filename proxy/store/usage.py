@@ -49,6 +49,25 @@ def mark_in_use(fd: int) -> None:
         pass  # being evicted this instant: this descriptor still reads the whole file
 
 
+def open_to_check(path: Path) -> BinaryIO | None:
+    """Open a stored file, marked in use, for a read that is no use of it (a check of every
+    file): its access time, the LRU clock, stays as it was where the system allows
+    (O_NOATIME, which Linux refuses for another user's file: then an ordinary open). None if
+    the file is gone. Blocks: run it in a thread."""
+    flag = getattr(os, "O_NOATIME", 0)
+    try:
+        try:
+            handle = os.fdopen(os.open(path, os.O_RDONLY | flag), "rb")
+        except PermissionError:
+            if not flag:
+                raise
+            handle = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    mark_in_use(handle.fileno())
+    return handle
+
+
 def evict_least_recently_used(files: list[tuple[Path, int, float]], limit: int, target: int,
                               keep: Path | None) -> tuple[list[tuple[Path, int]], Usage]:
     """Given every stored (path, size, last use), and if they exceed limit: delete the least

@@ -57,6 +57,7 @@ class Discovery:
         except UpstreamError:
             if cached is not None:
                 log.warning("discovery for %s failed; using the stale answer", hostname)
+                self._http.activity.stale_answer(hostname)
                 self._failed_until[hostname] = now + FAILURE_BACKOFF_SECONDS
                 return cached[1]
             raise

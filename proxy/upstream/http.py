@@ -19,7 +19,14 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.core.errors import Offline, UpstreamError, UpstreamNotFound, UpstreamTimeout
+from proxy.core.activity import Activity
+from proxy.core.errors import (
+    IntegrityError,
+    Offline,
+    UpstreamError,
+    UpstreamNotFound,
+    UpstreamTimeout,
+)
 from proxy.core.metrics import Metrics
 from proxy.core.redaction import excerpt
 from proxy.upstream.egress import EgressPolicy, GuardedResolver, outbound_proxy
@@ -87,11 +94,12 @@ class UpstreamHTTP:
     """GET with bounded redirects and sizes; errors become ProxyErrors."""
 
     def __init__(self, session: aiohttp.ClientSession, config: UpstreamConfig,
-                 metrics: Metrics, egress: EgressPolicy) -> None:
+                 metrics: Metrics, egress: EgressPolicy, activity: Activity) -> None:
         self._session = session
         self._config = config
         self._metrics = metrics
         self.egress = egress
+        self.activity = activity
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         # sock_read catches a stalled transfer long before the total deadline; a package
@@ -108,9 +116,30 @@ class UpstreamHTTP:
                     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Follow redirects by hand so every hop is checked (https only, bounded count).
         With `authenticate`, the proxy's token for the origin registry goes along, to the
-        first URL's host only (never across a redirect to another host)."""
+        first URL's host only (never across a redirect to another host). Each exchange is
+        recorded as the origin's success or failure (the status page)."""
         if self._config.offline:  # the one gate every outbound request passes
             raise Offline(f"not in the cache, and the proxy is offline (upstream {origin})")
+        try:
+            async with self._exchange(url, origin, total, headers, authenticate,
+                                      read_bufsize) as response:
+                yield response
+        except IntegrityError:  # it answered; bytes that fail verification are listed apart
+            raise
+        except UpstreamError as exc:  # upstream's failure, or its answer's (a size cap)
+            self.activity.upstream_failed(origin, exc.message)
+            raise
+        if response.status >= 500:
+            self.activity.upstream_failed(origin, f"upstream {origin} answered "
+                                                  f"{response.status}")
+        else:
+            self.activity.upstream_succeeded(origin)
+
+    @asynccontextmanager
+    async def _exchange(self, url: str, origin: str, total: float,
+                        headers: dict[str, str] | None, authenticate: bool,
+                        read_bufsize: int | None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, its redirects followed (see _open), counted in the metrics."""
         started = time.monotonic()
         outcome = "error"
         token = self._config.token_for(origin) if authenticate else None
@@ -120,7 +149,10 @@ class UpstreamHTTP:
                 _require_https(url)
                 await self.egress.check_target(url)
                 hop_headers = dict(headers or {})
-                if token is not None and urlsplit(url).netloc == token_netloc:
+                hop = urlsplit(url)
+                # Credentials written into the URL are the more specific ones; aiohttp refuses
+                # both at once (ValueError), which reached clients as a 500.
+                if token is not None and hop.netloc == token_netloc and not hop.username:
                     hop_headers["Authorization"] = f"Bearer {token}"
                 proxy, proxy_headers = _proxy_for(url)
                 async with self._session.get(url, allow_redirects=False, headers=hop_headers,

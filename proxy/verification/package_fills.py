@@ -91,8 +91,9 @@ class PackageFills:
                             lambda stored: self._stored.vouch(provider, version, platform,
                                                               package, stored))
                     except IntegrityError as exc:
-                        raise self._packages.integrity(exc.kind, f"{provider} {version} "
-                                                       f"{platform.key}: {exc.message}") from None
+                        artifact = f"{provider} {version} {platform.key}"
+                        raise self._packages.integrity(exc.kind, f"{artifact}: {exc.message}",
+                                                       artifact) from None
             finally:
                 self._metrics.fills_in_flight.dec()
         # The record that vouches for the file was saved (vouch); its h1 (a full read, at the

@@ -16,6 +16,7 @@ from typing import Any
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
+from proxy.core.activity import Activity
 from proxy.core.errors import IntegrityError, IntegrityKind, NotFound
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
@@ -66,17 +67,19 @@ class VerifiedPackages:
     """Version lists and verified package facts, fetched on a miss and cached."""
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataIndex,
-                 config: UpstreamConfig, metrics: Metrics, filters: Filters) -> None:
+                 config: UpstreamConfig, metrics: Metrics, filters: Filters,
+                 activity: Activity) -> None:
         self._registry = registry
         self.filters = filters
         self._cache = cache
         self._config = config
         self._metrics = metrics
+        self._activity = activity
         self._versions = RefreshingDocuments[list[VersionEntry]](
             "versions", cache, metrics, config.versions_ttl,
             encode=lambda entries: [_entry_to_record(e) for e in entries],
             decode=lambda records: [_entry_from_record(r) for r in records],
-            offline=config.offline)
+            offline=config.offline, on_stale=activity.stale_answer)
         self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
@@ -102,7 +105,7 @@ class VerifiedPackages:
         """Upstream's version list (refreshed early when `wanted` is not in it)."""
         return await self._versions.get(
             layout.version_list_record(provider), lambda: self._registry.list_versions(provider),
-            knows=None if wanted is None else
+            origin=provider.hostname, knows=None if wanted is None else
             (lambda entries: any(e.version == wanted for e in entries)))
 
     async def version_entry(self, provider: ProviderAddress, version: str) -> VersionEntry:
@@ -130,7 +133,8 @@ class VerifiedPackages:
             await self.package(provider, version, platform, info)
         if (info.filename, info.shasum) != (package.filename, package.shasum):
             raise self.integrity("changed", f"upstream now describes {provider} {version} "
-                                 f"{platform.key} differently from what it signed before")
+                                 f"{platform.key} differently from what it signed before",
+                                 f"{provider} {version} {platform.key}")
         return info, package
 
     def open_package(self, provider: ProviderAddress, info: DownloadInfo,
@@ -214,10 +218,12 @@ class VerifiedPackages:
         listed = sums.get(info.filename)
         if listed is None:
             raise self.integrity("sha256sums", f"SHA256SUMS of {provider} {version} has no "
-                                  f"line for {info.filename}")
+                                  f"line for {info.filename}", f"{provider} {version} "
+                                  f"{platform.key}")
         if listed != info.shasum:
             raise self.integrity("sha256sums", f"SHA256SUMS lists {listed} for "
-                                  f"{info.filename}, the download document {info.shasum}")
+                                  f"{info.filename}, the download document {info.shasum}",
+                                  f"{provider} {version} {platform.key}")
         package = VerifiedPackage(filename=info.filename, shasum=info.shasum,
                                   sums_id=sums_id(info.shasums_url),
                                   document=without_upstream_urls(info.document))
@@ -241,9 +247,11 @@ class VerifiedPackages:
             self._metrics.cache_lookups.labels("sums", "hit").inc()
             return bytes(record["sums"])
         self._metrics.cache_lookups.labels("sums", "miss").inc()
-        return await self._sums_fills.run(key, lambda: self._fill_sums(key, provider, info))
+        return await self._sums_fills.run(
+            key, lambda: self._fill_sums(key, provider, version, info))
 
-    async def _fill_sums(self, key: str, provider: ProviderAddress, info: DownloadInfo) -> bytes:
+    async def _fill_sums(self, key: str, provider: ProviderAddress, version: str,
+                         info: DownloadInfo) -> bytes:
         record = await self._cache.get(key)  # a fill that finished since the caller looked
         if record is not None:
             return bytes(record["sums"])
@@ -257,14 +265,17 @@ class VerifiedPackages:
                 signed_by = await quick(
                     verify_detached, sums, signature, info.signing_keys)
             except IntegrityError as exc:
-                raise self.integrity(exc.kind, f"{provider}: {exc.message}") from None
+                raise self.integrity(exc.kind, f"{provider}: {exc.message}",
+                                     f"{provider} {version} SHA256SUMS") from None
         await self._cache.set(key, {"sums": sums, "signature": signature,
                                     "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
 
-    def integrity(self, kind: IntegrityKind, message: str) -> IntegrityError:
-        """Count, log and return an integrity failure."""
+    def integrity(self, kind: IntegrityKind, message: str, artifact: str) -> IntegrityError:
+        """Count, log, record (the status page) and return an integrity failure of artifact
+        (provider, version and platform, or the SHA256SUMS file)."""
         self._metrics.integrity_failures.labels(kind).inc()
+        self._activity.integrity_failure(artifact, kind, message)
         log.error("integrity failure (%s): %s", kind, message)
         return IntegrityError(kind, message)
 

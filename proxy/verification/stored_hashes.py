@@ -36,12 +36,14 @@ class DamagedFile(IntegrityError):
         self.identity = identity  # of the file that was read, if known
 
 
-async def h1_of_stored(store: BlobStore, key: str, sha256: str) -> str | None:
+async def h1_of_stored(store: BlobStore, key: str, sha256: str, use: bool = True) -> str | None:
     """The h1 of a stored package, computed only from bytes whose sha256 is the signed one
-    (a full read, off the loop). None when the blob is gone, or when it is the signed package
-    but not a zip that can be hashed (fetching it again would not change that). Raises
-    DamagedFile when the stored bytes are not the signed ones or cannot be read."""
-    return await _with_open(store, key, lambda blob: _checked_read(blob, sha256, _h1_of_checked))
+    (a full read, off the loop; a use of the blob unless use is False). None when the blob
+    is gone, or when it is the signed package but not a zip that can be hashed (fetching it
+    again would not change that). Raises DamagedFile when the stored bytes are not the
+    signed ones or cannot be read."""
+    return await _with_open(store, key, lambda blob: _checked_read(blob, sha256, _h1_of_checked),
+                            use=use)
 
 
 async def h1_of_written(store: BlobStore, key: str, sha256: str,
@@ -55,12 +57,15 @@ async def h1_of_written(store: BlobStore, key: str, sha256: str,
                             background_then_close)
 
 
-async def verify_stored(store: BlobStore, key: str, sha256: str) -> FileIdentity | None:
+async def verify_stored(store: BlobStore, key: str, sha256: str,
+                        use: bool = True) -> FileIdentity | None:
     """The identity of a stored blob whose bytes have the sha256 it was stored with (a full
-    read, off the loop); None when the blob is gone. Raises DamagedFile when the bytes differ,
-    cannot be read, or change while they are read."""
+    read, off the loop; a use of the blob unless use is False); None when the blob is gone.
+    Raises DamagedFile when the bytes differ, cannot be read, or change while they are
+    read."""
     return await _with_open(store, key,
-                            lambda blob: _checked_read(blob, sha256, _unchanged_identity))
+                            lambda blob: _checked_read(blob, sha256, _unchanged_identity),
+                            use=use)
 
 
 async def adopt_stored(store: BlobStore, key: str, intact: Callable[[BinaryIO], None]
@@ -182,12 +187,12 @@ class CheckedFiles:
 
 async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T],
                      run: Callable[[OpenBlob, Callable[[OpenBlob], T], OpenBlob], Awaitable[T]]
-                     = slow_then_close) -> T | None:
+                     = slow_then_close, use: bool = True) -> T | None:
     """read(the open blob) on the slow pool (or as `run` says), the blob closed once read is
     done with it (not before, even if the caller is cancelled meanwhile); None when the blob
     is gone."""
     try:
-        blob = await store.open(key)
+        blob = await store.open(key, use)
     except FileNotFoundError:
         return None
     except OSError as exc:

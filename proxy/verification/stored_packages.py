@@ -18,6 +18,7 @@ from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import StoredArchive
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
+from proxy.verification.stored_drops import drop_damaged
 from proxy.verification.stored_hashes import (
     CheckedFiles,
     DamagedFile,
@@ -219,13 +220,20 @@ class StoredPackages:
         signed facts stay), then count and log it: once, by whoever deletes it."""
         self._checked.forget(key)
         what = f"{provider} {version} {platform.key}: the stored file {damage.message}"
-        if not await self._archives.delete(key, damage.identity):
+        if not await drop_damaged(self._archives, key, damage,
+                                  lambda: self._forget_file(provider, version, platform)):
             # Gone, or replaced since it was read (by whoever dropped it first, then a fill):
             # counted by whoever dropped it; the facts are not about this file.
             log.info("%s; already dropped or replaced", what)
             return
-        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again")
+        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again",
+                                 f"{provider} {version} {platform.key}")
+
+    async def _forget_file(self, provider: ProviderAddress, version: str,
+                           platform: Platform) -> None:
+        """Clear the facts recorded about the stored file (through the facts this process
+        holds, so that it shows none of them either)."""
         record = await self._packages.stored_facts(provider, version, platform)
-        if record is not None:
+        if record is not None:  # the stored_drops.FILE_FACTS
             await self._packages.save(provider, version, platform,
                                       replace(record, h1=None, size=None, stored_as=None))

@@ -16,6 +16,7 @@ from proxy.config.settings import AuthConfig
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.metrics import Metrics
 from proxy.web.auth import route_authentication
+from proxy.web.error_warnings import ErrorWarnings
 from proxy.web.responses import PREPARED_RESPONSE_KEY, abort_after_headers, error_body
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,9 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
     then clients authenticated (where auth requires it), ProxyError and aiohttp's HTTP errors
     turned into JSON (never a traceback), and every answer counted by route and status
     class. A failure after the response headers were sent cannot be answered: it cuts the
-    connection. No middleware, so nothing else runs per request."""
+    connection. No middleware, so nothing else runs per request. A refusal of a request
+    that names an artifact is logged with its reason and what to do (ErrorWarnings)."""
+    warnings = ErrorWarnings()
 
     def guard(route: str, handler: Handler) -> Handler:
         # Paths no route serves are answered (404, 405) without asking for credentials.
@@ -133,9 +136,12 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
             except Exception as exc:
                 prepared = request.get(PREPARED_RESPONSE_KEY)
                 if prepared is None:
-                    response = _error_response(request, exc)
+                    response = _error_response(request, route, exc, warnings)
                 else:
-                    abort_after_headers(request, exc, metrics.aborted_responses, route)
+                    explained = isinstance(exc, ProxyError) and warnings.cut_off(
+                        route, request.match_info, exc)
+                    abort_after_headers(request, exc, metrics.aborted_responses, route,
+                                        explained=explained)
                     response = prepared  # aiohttp finds it sent and the connection gone
             count(response.status)
             return response
@@ -159,11 +165,10 @@ def _answer_counter(metrics: Metrics, route: str) -> Callable[[int], None]:
     return count
 
 
-def _error_response(request: web.Request, exc: Exception) -> web.Response:
+def _error_response(request: web.Request, route: str, exc: Exception,
+                    warnings: ErrorWarnings) -> web.Response:
     if isinstance(exc, ProxyError):
-        if exc.status >= 500:
-            log.warning("%s %s -> %d: %s", request.method, request.path, exc.status,
-                        exc.message)
+        warnings.refused(route, request.match_info, request.path, exc)
         response = json_error(exc.status, exc.message)
         if exc.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'

@@ -161,16 +161,20 @@ def _abort_reason(exc: BaseException) -> str:
 
 
 def abort_after_headers(request: web.Request, exc: BaseException, aborted: Counter,
-                        route: str) -> None:
+                        route: str, *, explained: bool = False) -> None:
     """A failure after the headers went out: no error answer can follow them, and ending the
     body cleanly would hand the client a short or bad file as if it were whole. Reset the
-    connection, count it and log it once. A client that hung up is neither."""
+    connection, count it and log it once (unless the caller explained it already). A client
+    that hung up is neither."""
     transport = request.transport
     if isinstance(exc, ConnectionError) and (transport is None or transport.is_closing()):
         log.debug("client left %s %s mid-body", request.method, request.path)
     else:
         reason = _abort_reason(exc)
         aborted.labels(route, reason).inc()
+        if explained:
+            _reset_connection(request)
+            return
         message = exc.message if isinstance(exc, ProxyError) else str(exc) or type(exc).__name__
         log.log(logging.WARNING if isinstance(exc, ProxyError) else logging.ERROR,
                 "%s %s cut off mid-body (%s): %s", request.method, request.path, reason,

@@ -25,11 +25,13 @@ from proxy.core.models import (
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.protocols.status import StatusReport
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.auth import SIGNER_KEY
 from proxy.web.middleware import UNMATCHED, Guard
 from proxy.web.responses import json_body_response, json_response, send_file
+from proxy.web.status_page import CONTENT_SECURITY_POLICY, render_status_page
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -41,6 +43,7 @@ MODULES_KEY = web.AppKey("module_registry", ModuleRegistry)
 REGISTRY_KEY = web.AppKey("provider_registry", ProviderRegistryService)
 ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
+STATUS_KEY = web.AppKey("status_report", StatusReport)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
@@ -73,6 +76,29 @@ async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS_KEY].render()
     response = web.Response(body=body)
     response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def status_json(request: web.Request) -> web.Response:
+    """The status document, for scripts (fields: README, "Status page")."""
+    report = request.app.get(STATUS_KEY)
+    if report is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    response = json_response(await report.document())
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+async def status_page(request: web.Request) -> web.Response:
+    """The status document as a page for people."""
+    report = request.app.get(STATUS_KEY)
+    if report is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    response = web.Response(text=render_status_page(await report.document()),
+                            content_type="text/html", charset="utf-8")
+    response.headers.update({"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                             "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                             "Referrer-Policy": "no-referrer"})
     return response
 
 
@@ -262,6 +288,8 @@ def add_routes(app: web.Application, guard: Guard) -> None:
     get("/healthz", healthz, "healthz")
     get("/readyz", readyz, "readyz")
     get("/metrics", metrics, "metrics")
+    get("/", status_page, "status_page")
+    get("/status.json", status_json, "status_json")
     get("/.well-known/terraform.json", discovery, "discovery")
     get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file, "mirror")
     provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"

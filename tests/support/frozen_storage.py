@@ -31,9 +31,9 @@ class FrozenBlobs:
         await self.thawed.wait()
         return await self.inner.stat(key)
 
-    async def open(self, key: str) -> Any:
+    async def open(self, key: str, use: bool = True) -> Any:
         await self.thawed.wait()
-        return await self.inner.open(key)
+        return await self.inner.open(key, use)
 
     async def list(self, prefix: str) -> Any:
         await self.thawed.wait()
