@@ -41,6 +41,7 @@ from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
     CONFIG_KEY,
+    FILE_ROUTES,
     METRICS_KEY,
     MIRROR_KEY,
     MODULES_KEY,
@@ -71,7 +72,7 @@ def create_app(config: Config,
     open_storage opens another backend."""
     if open_storage is None:
         open_storage = configured_storage(config.cache)
-    metrics = Metrics()
+    metrics = Metrics(upstream_hosts=sorted(config.upstream.all_hosts), body_routes=FILE_ROUTES)
     # No middleware: errors, authentication and counting wrap each route's handler once
     # (route_guard), so a request runs only its own route's steps.
     app = web.Application()

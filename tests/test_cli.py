@@ -119,7 +119,7 @@ def test_serve_without_config_starts_https_with_generated_ca(tmp_path: Path) -> 
                     break
                 time.sleep(0.1)
         assert status == 200
-        # One worker announces the CA, and another may answer /healthz before it has.
+        # Announced once, at start, whatever the number of workers.
         announced = wait_for_line(process, f"SSL_CERT_FILE={ca}", timeout=15)
     finally:
         process.terminate()

@@ -149,7 +149,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
                 "connect_timeout", "metadata_timeout", "download_timeout",
                 "max_archive_size", "services", "default_host", "git_timeout", "max_size",
                 "mode", "max_concurrent_fills", "allowed_networks", "internal_zones",
-                "access_log", "token",
+                "access_log", "log_format", "token",
                 "providers", "exclude_providers", "modules", "exclude_modules", "platforms",
                 "tokens", "tokens_file", "signed_url_ttl", "workers", "event_loop",
                 "shutdown_timeout", "state_dir"):
@@ -164,6 +164,7 @@ def test_more_problems_users_make(tmp_path: Path) -> None:
 [server]
 listen = "127.0.0.1:99999"
 public_url = "https://mirror.example/tf/"
+log_format = "xml"
 [upstream]
 ca_bundle = "{not_pem}"
 versions_ttl = nan
@@ -174,6 +175,7 @@ default_host = "elsewhere.example"
     problems = "\n".join(caught.value.problems)
     for expected in ("server.listen: expected \"host:port\" with a port from 1 to 65535",
                      "server.public_url: a path prefix is not supported",
+                     "server.log_format: expected text or json, got 'xml'",
                      "upstream.ca_bundle:", "no usable PEM CA certificate",
                      "upstream.versions_ttl", "upstream.connect_timeout",
                      "modules.default_host: elsewhere.example is not an allowed upstream host",

@@ -17,6 +17,7 @@ from proxy.app import create_app
 from proxy.config import load_config
 from tests.support.fake_registry import FakeRegistry
 from tests.support.mirror_paths import BASE, ZIP
+from tests.support.prometheus import prometheus_config
 from tests.support.proxy_process import free_port
 from tests.support.tools import prometheus_tool
 
@@ -43,17 +44,7 @@ async def prometheus(tmp_path: Path) -> AsyncIterator[Callable[[int], asyncio.Fu
 
     async def start(target_port: int) -> str:
         config = tmp_path / "prometheus.yml"
-        config.write_text(f"""
-global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
-rule_files:
-  - {OPS / 'prometheus-alerts.yml'}
-scrape_configs:
-  - job_name: tf-registry-proxy
-    static_configs:
-      - targets: ["127.0.0.1:{target_port}"]
-""")
+        config.write_text(prometheus_config(target_port))
         process = await asyncio.create_subprocess_exec(
             binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sqlite3
 
-from proxy.cli.logs import configure_logging
+from proxy.cli.logs import configure_server_logging
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
+from proxy.cli.startup import log_startup
 from proxy.cli.workers import serve_workers
 from proxy.config import Config
 from proxy.core.audit import AuditLog
@@ -20,8 +21,7 @@ from proxy.web.auth import SigningKeyError, load_signing_key
 
 def serve(config: Config) -> int:
     """Run the proxy (HTTPS) until stopped; the exit status."""
-    configure_logging(config.server.log_level.upper(),
-                      "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_server_logging(config.server)
     server = config.server
     for key, directory in (("cache.dir", config.cache.dir), ("server.state_dir",
                                                              server.state_dir)):
@@ -58,5 +58,7 @@ def serve(config: Config) -> int:
                 probe_index(config.cache.dir)
             except (OSError, sqlite3.Error) as exc:
                 return fail(describe_start_failure(config.cache.dir, exc))
+        log_startup(config, certificate.ca)
         return serve_workers(config, certificate.ca)
+    log_startup(config, certificate.ca)
     return run_loop(run_server(config, context, certificate.ca), server.event_loop)

@@ -18,7 +18,7 @@ from proxy.cli.messages import fail
 from proxy.config import Config
 from proxy.core.errors import ProxyError
 from proxy.store.disk_space import describe_start_failure
-from proxy.web.access_log import JsonAccessLogger, PlainAccessLogger
+from proxy.web.access_log import ACCESS_LOGGER, JsonAccessLogger, PlainAccessLogger
 from proxy.web.auth import SigningKeyError
 from proxy.web.http_server import ProxyRunner
 from proxy.web.routes import AUDIT_KEY, METRICS_KEY
@@ -43,13 +43,13 @@ def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
 
 
 async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path | None,
-                     reuse_port: bool = False, announce: bool = True) -> int:
+                     reuse_port: bool = False) -> int:
     """Serve until SIGTERM (or SIGINT, unless a worker), then stop gracefully; the exit
-    status."""
+    status. The start-up log is the caller's (proxy.cli.startup): once, not per worker."""
     server = config.server
     access_class: type[PlainAccessLogger | JsonAccessLogger] = (
         JsonAccessLogger if server.access_log == "json" else PlainAccessLogger)
-    access_logger = None if server.access_log == "off" else logging.getLogger("proxy.access")
+    access_logger = None if server.access_log == "off" else logging.getLogger(ACCESS_LOGGER)
     runner = ProxyRunner(create_app(config), handle_signals=False, access_log=access_logger,
                          access_log_class=access_class,
                          keepalive_timeout=server.keepalive_timeout)
@@ -76,12 +76,8 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
         await runner.cleanup()
         return fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
                     f"{exc.strerror or exc}")
-    if generated_ca is not None and announce:
-        log.info("serving with a generated certificate; clients trust it with "
-                 "SSL_CERT_FILE=%s", generated_ca)
-    if announce:
-        log.info("listening on %s:%d; network mirror at %smirror/ (cache: %s)", server.host,
-                 server.port, server.base_url, config.cache.dir)
+    # One line per serving process, once its port is bound (the summary came before).
+    log.info("listening on %s port %d", server.host, server.port)
     signals = StopSignals()
     # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
     signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))

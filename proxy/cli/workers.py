@@ -9,12 +9,20 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
-from proxy.cli.logs import configure_logging
+from proxy.cli.logs import configure_server_logging
+from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.config import Config
+from proxy.core.shared_metrics import (
+    register_worker,
+    remove_shared_metrics,
+    start_shared_metrics,
+    worker_exited,
+)
 from proxy.store.archives import ArchiveStore
 from proxy.tls.certificates import ensure_certificate, ssl_context
 from proxy.web.shutdown import EXIT_MARGIN, die_with_parent
@@ -27,6 +35,11 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     for the workers' graceful stop (killing any still there after the grace period and a
     margin); when one worker dies, it stops the others and exits with its status. Workers
     watch the parent and stop when it dies, however it dies."""
+    try:
+        metrics_dir = start_shared_metrics()  # before the workers: they inherit it
+    except OSError as exc:
+        return fail(f"cannot make the workers' metrics directory in {tempfile.gettempdir()} "
+                    f"(TMPDIR): {exc.strerror or exc}")
     spawn = multiprocessing.get_context("spawn")
     workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
                              name=f"worker-{index}") for index in range(config.server.workers)]
@@ -72,6 +85,8 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
         for worker in [w for w in running if not w.is_alive()]:
             running.remove(worker)
             worker.join()
+            if worker.pid is not None:
+                worker_exited(metrics_dir, workers.index(worker), worker.pid)
             if deadline is None:
                 log.error("%s exited (%s); stopping the others", worker.name, worker.exitcode)
                 code = worker.exitcode or 1
@@ -86,16 +101,17 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     for worker in workers:  # its own shutdown removes them; a killed worker's stay
         if worker.pid is not None:
             ArchiveStore.remove_temp_of(config.cache.dir, worker.pid)
+    remove_shared_metrics(metrics_dir)
     return code if code >= 0 else 1
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
-    configure_logging(config.server.log_level.upper(),
-                      f"%(asctime)s %(levelname)s w{index} %(name)s: %(message)s")
+    configure_server_logging(config.server, worker=index)
+    register_worker(index)
     # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(config.server.shutdown_timeout)
     certificate = ensure_certificate(config.server)
     raise SystemExit(run_loop(run_server(config, ssl_context(certificate), generated_ca,
-                                         reuse_port=True, announce=index == 0),
+                                         reuse_port=True),
                               config.server.event_loop))

@@ -238,6 +238,10 @@ class _Parser:
                                  f"{access_log!r}")
             access_log = "plain"
         audit_log = self._audit_log(table)
+        log_format = (self._str("server.log_format", table, "log_format") or "text").lower()
+        if log_format not in ("text", "json"):
+            self.problems.append(f"server.log_format: expected text or json, got {log_format!r}")
+            log_format = "text"
         workers = self._workers(table)
         event_loop = (self._str("server.event_loop", table, "event_loop") or "uvloop").lower()
         if event_loop not in ("uvloop", "asyncio"):
@@ -253,7 +257,8 @@ class _Parser:
 
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
-                            access_log=access_log, audit_log=audit_log, workers=workers,
+                            access_log=access_log, audit_log=audit_log,
+                            log_format=log_format, workers=workers,
                             event_loop=event_loop,
                             shutdown_timeout=shutdown_timeout, state_dir=state_dir,
                             tls_handshake_timeout=seconds("tls_handshake_timeout"),

@@ -58,6 +58,7 @@ class ServerConfig:
     tls_key: Path | None = None
     public_url: str | None = None
     log_level: str = "info"
+    log_format: str = "text"  # the application log: "text" or "json" (one object per line)
     access_log: str = "plain"  # "plain", "json" or "off"
     audit_log: str | None = None  # a file path, "-" (stdout), or None: off
     # Processes serving one port (SO_REUSEPORT), sharing the cache; "auto": one per CPU.
@@ -246,7 +247,7 @@ ENV_KEYS = {
     "server": ("listen", "tls_cert", "tls_key", "public_url", "log_level", "access_log",
                "audit_log",
                "workers", "event_loop", "shutdown_timeout", "state_dir", "tls_handshake_timeout",
-               "request_head_timeout", "keepalive_timeout", "max_connections"),
+               "request_head_timeout", "keepalive_timeout", "max_connections", "log_format"),
     "cache": ("dir", "max_size", "lease_seconds"),
     "cache.s3": ("bucket", "endpoint_url", "region", "prefix", "serve"),
     "upstream": ("ca_bundle", "mode", "discovery_ttl", "versions_ttl", "connect_timeout",

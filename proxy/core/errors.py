@@ -4,7 +4,17 @@ proxy's log line has to say it)."""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from proxy.core.redaction import mask_secrets
+
+# Why an artifact failed verification: the `kind` label of tfproxy_integrity_failures_total.
+# signature: SHA256SUMS not signed by upstream's keys; sha256sums: the download document and
+# SHA256SUMS disagree; checksum: the bytes are not the listed sha256; archive: not a valid
+# zip; changed: upstream now describes a verified version differently; stored: a file in the
+# cache no longer matches its verified checksum.
+IntegrityKind = Literal["signature", "sha256sums", "checksum", "archive", "changed", "stored"]
+INTEGRITY_KINDS: tuple[IntegrityKind, ...] = get_args(IntegrityKind)
 
 
 class ProxyError(Exception):
@@ -96,10 +106,10 @@ class IntegrityError(UpstreamError):
     advice = ("upstream's bytes did not verify and nothing was cached: do not work around it; "
               "retry later or report it to the provider's publisher")
 
-    def __init__(self, kind: str, message: str, *, signed_by: str | None = None,
+    def __init__(self, kind: IntegrityKind, message: str, *, signed_by: str | None = None,
                  keys_tried: tuple[str, ...] = ()) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind: IntegrityKind = kind
         # For a signature that does not verify: the key ID that made it, and those tried.
         self.signed_by = signed_by
         self.keys_tried = keys_tried

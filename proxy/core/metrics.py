@@ -1,31 +1,98 @@
 """Prometheus metrics, one registry per app. Labels are bounded: never a version, provider
-name, os or arch."""
+name, os or arch. Every series an alert reads exists from the start, at 0, for each label
+value the code can produce: increase() and rate() see the first failure. With several worker
+processes (proxy.core.shared_metrics), /metrics covers them all."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from collections.abc import Callable, Iterable
+from typing import Literal
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from proxy import __version__
+from proxy.core.errors import INTEGRITY_KINDS
+from proxy.core.shared_metrics import WorkerProcesses, shared_directory
+
+__all__ = ["ABORT_REASONS", "CACHE_LOOKUPS", "CONTENT_TYPE_LATEST", "DISK_FULL_KINDS",
+           "UPSTREAM_OUTCOMES", "Metrics"]
+
+# The label values the code produces, by counter (each started at 0).
+_HIT_MISS = ("hit", "miss")
+_REFRESHED = ("hit", "miss", "revalidate", "stale")  # documents that expire (freshness.py)
+CACHE_LOOKUPS = {"package": _HIT_MISS, "sums": _HIT_MISS, "archive": _HIT_MISS,
+                 "module": _HIT_MISS, "versions": _REFRESHED, "module_versions": _REFRESHED}
+UPSTREAM_OUTCOMES = ("ok", "client_error", "server_error", "error", "timeout")
+ABORT_REASONS = ("integrity", "upstream", "io", "internal")  # proxy.web.responses
+DISK_FULL_KINDS = ("package", "module", "index")  # proxy.store.disk_space
+# How the workers' values of a gauge combine: livesum for what each process holds (open
+# connections, fills), mostrecent for what every process sees alike (the shared cache).
+_Combine = Literal["livesum", "mostrecent", "max"]
+
+
+class SampledGauge(Gauge):
+    """A gauge whose value a function gives at each scrape (set_function). The files that
+    workers share hold stored values only: there, the scraping process stores it first."""
+
+    _function: Callable[[], float] | None = None
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        """Read f() at each scrape."""
+        self._function = f
+        super().set_function(f)
+
+    def sample(self) -> None:
+        """Store the function's current value."""
+        if self._function is not None:
+            self.set(self._function())
+
+
+class _BuildInfo(Collector):
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("tfproxy_build_info", "The running tf-registry-proxy "
+                                   "version (always 1).", labels=["version"])
+        family.add_metric([__version__], 1)
+        return [family]
 
 
 class Metrics:
-    """Every metric the proxy exports."""
+    """Every metric the proxy exports. upstream_hosts and body_routes (routes that stream a
+    file, whose responses can be cut off) name the label values of the series started at 0
+    that depend on the configuration."""
 
-    def __init__(self) -> None:
+    def __init__(self, upstream_hosts: Iterable[str] = (),
+                 body_routes: Iterable[str] = ()) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self._sampled: list[SampledGauge] = []
 
         def counter(name: str, text: str, *labels: str) -> Counter:
             return Counter(name, text, labels, registry=registry)
 
-        def gauge(name: str, text: str) -> Gauge:
-            return Gauge(name, text, registry=registry)
+        def gauge(name: str, text: str, combine: _Combine) -> Gauge:
+            return Gauge(name, text, registry=registry, multiprocess_mode=combine)
+
+        def sampled(name: str, text: str) -> SampledGauge:
+            found = SampledGauge(name, text, registry=registry, multiprocess_mode="mostrecent")
+            self._sampled.append(found)
+            return found
 
         self.requests = counter("tfproxy_http_requests",
                                 "Client requests by route and status class.",
                                 "route", "status_class")
-        self.cache_lookups = counter("tfproxy_cache_lookups",
-                                     "Cache lookups by kind and result (hit, miss, stale).",
+        self.cache_lookups = counter("tfproxy_cache_lookups", "Cache lookups by kind and "
+                                     "result (hit, miss, stale, revalidate).",
                                      "kind", "result")
         self.upstream_requests = counter("tfproxy_upstream_requests",
                                          "Upstream requests by origin host and outcome.",
@@ -46,13 +113,13 @@ class Metrics:
         self.bad_requests = counter(
             "tfproxy_bad_requests", "Requests refused by the HTTP parser before any routing "
             "(method, request_line, url, header, too_long, framing, http2, other).", "reason")
-        self.cache_files = gauge("tfproxy_cache_files", "Packages and modules in the cache.")
+        self.cache_files = sampled("tfproxy_cache_files", "Packages and modules in the cache.")
         self.cache_max_bytes = gauge("tfproxy_cache_max_size_bytes",
-                                     "The cache's size limit (0: none).")
+                                     "The cache's size limit (0: none).", "max")
         self.evictions = counter("tfproxy_cache_evictions",
                                  "Files deleted to keep the cache under its size limit.")
-        self.cache_bytes = gauge("tfproxy_cache_size_bytes",
-                                 "Bytes of packages and modules in the cache.")
+        self.cache_bytes = sampled("tfproxy_cache_size_bytes",
+                                   "Bytes of packages and modules in the cache.")
         self.tls_handshake_failures = counter(
             "tfproxy_tls_handshake_failures", "Failed client TLS handshakes by kind "
             "(untrusted_certificate, plain_http, protocol_mismatch, other).", "reason")
@@ -61,18 +128,19 @@ class Metrics:
             "(ENOSPC, EDQUOT), or files refused as too large for the space left, by kind "
             "(package, module, index).", "kind")
         self.open_connections = gauge(
-            "tfproxy_open_connections", "Client connections open in this process, TLS "
-            "handshakes under way included.")
+            "tfproxy_open_connections", "Client connections open (in every worker process), "
+            "TLS handshakes under way included.", "livesum")
         self.max_connections = gauge(
-            "tfproxy_max_connections", "server.max_connections: beyond it, new connections "
-            "wait in the listen backlog.")
+            "tfproxy_max_connections", "server.max_connections times the worker processes: "
+            "beyond it, new connections wait in the listen backlog.", "livesum")
         self.connection_limit_waits = counter(
             "tfproxy_connection_limit_waits", "Times this process stopped accepting "
             "connections because server.max_connections were open.")
         self.connections_cut = counter(
             "tfproxy_connections_cut", "Client connections closed because the client was too "
             "slow (handshake_timeout, head_timeout).", "reason")
-        self.fills_in_flight = gauge("tfproxy_fills_in_flight", "Upstream fills under way.")
+        self.fills_in_flight = gauge("tfproxy_fills_in_flight", "Upstream fills under way.",
+                                     "livesum")
         self.fill_leases = counter(
             "tfproxy_fill_leases", "Fill leases in a shared store, by outcome: acquired, "
             "waited (for another replica's fill), taken_over (expired unrenewed), lost (not "
@@ -87,6 +155,43 @@ class Metrics:
                                        "Storage backend request latency.",
                                        ["backend", "operation"], registry=registry)
 
+        self._start_at_zero(upstream_hosts, body_routes)
+        self._exported = self._exported_registry()
+
+    def _start_at_zero(self, upstream_hosts: Iterable[str], body_routes: Iterable[str]) -> None:
+        """Create the series alerts read, at 0: a series that appears at 1 has no increase."""
+        for integrity_kind in INTEGRITY_KINDS:
+            self.integrity_failures.labels(integrity_kind)
+        for lookup_kind, results in CACHE_LOOKUPS.items():
+            for result in results:
+                self.cache_lookups.labels(lookup_kind, result)
+        for host in upstream_hosts:
+            for outcome in UPSTREAM_OUTCOMES:
+                self.upstream_requests.labels(host, outcome)
+        for route in body_routes:
+            for reason in ABORT_REASONS:
+                self.aborted_responses.labels(route, reason)
+        for disk_kind in DISK_FULL_KINDS:
+            self.disk_full.labels(disk_kind)
+
+    def _exported_registry(self) -> CollectorRegistry:
+        """What /metrics shows: this registry plus the version and this process's resources;
+        or, as one of several workers, what every worker recorded and each one's resources."""
+        directory = shared_directory()
+        exported = self.registry
+        if directory is None:
+            ProcessCollector(registry=exported)
+        else:
+            exported = CollectorRegistry()
+            MultiProcessCollector(exported, str(directory))  # type: ignore[no-untyped-call]
+            exported.register(WorkerProcesses(directory))
+        PlatformCollector(registry=exported)
+        exported.register(_BuildInfo())
+        return exported
+
     def render(self) -> bytes:
         """The text exposition format."""
-        return generate_latest(self.registry)
+        if self._exported is not self.registry:
+            for found in self._sampled:
+                found.sample()
+        return generate_latest(self._exported)

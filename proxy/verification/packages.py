@@ -17,7 +17,7 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.activity import Activity
-from proxy.core.errors import IntegrityError, UnknownVersion
+from proxy.core.errors import IntegrityError, IntegrityKind, UnknownVersion
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
@@ -281,7 +281,7 @@ class VerifiedPackages:
                                     "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
 
-    def integrity(self, kind: str, message: str, artifact: str,
+    def integrity(self, kind: IntegrityKind, message: str, artifact: str,
                   cause: IntegrityError | None = None) -> IntegrityError:
         """Count, log, record (the status page) and return an integrity failure of artifact
         (provider, version and platform, or the SHA256SUMS file), with the key IDs cause

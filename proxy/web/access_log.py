@@ -12,10 +12,14 @@ from aiohttp.web import BaseRequest, StreamResponse
 
 from proxy.core.redaction import mask_secrets
 
-__all__ = ["CACHE_RESULT_KEY", "JsonAccessLogger", "PlainAccessLogger", "mask_secrets",
-           "request_line_fields"]
+__all__ = ["ACCESS_FIELDS", "ACCESS_LOGGER", "CACHE_RESULT_KEY", "JsonAccessLogger",
+           "PlainAccessLogger", "mask_secrets", "request_line_fields"]
 
-log = logging.getLogger("proxy.access")
+ACCESS_LOGGER = "proxy.access"
+# The attribute of a JSON access line's log record that holds its fields (as a dict): a JSON
+# formatter writes them as they are, beside the line's time (proxy.cli.logs).
+ACCESS_FIELDS = "access_fields"
+log = logging.getLogger(ACCESS_LOGGER)
 # Set by handlers that serve files: "hit" (from the cache) or "miss" (fetched now).
 CACHE_RESULT_KEY = web.RequestKey("cache_result", str)
 
@@ -47,8 +51,9 @@ class PlainAccessLogger(AbstractAccessLogger):
 
 
 class JsonAccessLogger(AbstractAccessLogger):
-    """One JSON object per line."""
+    """One JSON object per line: the fields travel with the record, for a JSON formatter
+    that adds the time and writes nothing else; the message is the same object as text."""
 
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
-        log.info("%s", json.dumps(request_line_fields(request, response, time),
-                                  separators=(",", ":")))
+        fields = request_line_fields(request, response, time)
+        log.info("%s", json.dumps(fields, separators=(",", ":")), extra={ACCESS_FIELDS: fields})

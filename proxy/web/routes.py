@@ -50,6 +50,8 @@ STATUS_KEY = web.AppKey("status_report", StatusReport)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
+# The routes whose answers stream a file: a failure mid-body cuts them off (aborted_responses).
+FILE_ROUTES = ("mirror", "module")
 
 
 async def healthz(_request: web.Request) -> web.Response:

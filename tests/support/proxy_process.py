@@ -43,8 +43,15 @@ class ProxyProcess:
 
     def _announced_ca(self) -> Path | None:
         written = self.log.read_bytes()[self._log_start:] if self.log.exists() else b""
-        found = re.findall(r"SSL_CERT_FILE=(\S+)", written.decode(errors="replace"))
+        found = re.findall(r"SSL_CERT_FILE=([^\s\"]+)", written.decode(errors="replace"))
         return Path(found[-1]) if found else None
+
+    def _all_listening(self) -> bool:
+        """Whether every worker process said it listens (else requests reach only some)."""
+        written = self.log.read_bytes()[self._log_start:] if self.log.exists() else b""
+        asked = self._env()["TF_REGISTRY_PROXY_SERVER_WORKERS"]
+        workers = int(asked) if asked.isdigit() else 1
+        return written.count(b"listening on ") >= workers
 
     @property
     def url(self) -> str:
@@ -80,7 +87,7 @@ class ProxyProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"proxy exited: {self.log.read_text()[-3000:]}")
             ca_file = self._announced_ca()
-            if ca_file is not None and self._healthy(ca_file):
+            if ca_file is not None and self._all_listening() and self._healthy(ca_file):
                 self._ca_file = ca_file
                 return self
             time.sleep(0.1)

@@ -1,0 +1,90 @@
+"""Metrics shared by the worker processes of one `serve`: prometheus_client's multiprocess
+mode. Before it starts the workers, the parent makes a fresh directory and names it in
+PROMETHEUS_MULTIPROC_DIR, which they inherit; every worker records its counters and gauges in
+files there, and whichever worker answers /metrics reads them all, so each scrape shows the
+whole service."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import mark_process_dead
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+__all__ = ["ENV", "WorkerProcesses", "register_worker", "remove_shared_metrics",
+           "shared_directory", "start_shared_metrics", "worker_exited"]
+
+# prometheus_client reads it once, when it is first imported: so set in the parent, before
+# the workers (spawned, fresh interpreters) import anything.
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Under the directory: one file per live worker, named by its index, holding its pid (not a
+# *.db file, so the multiprocess collector does not read it).
+_WORKERS = "workers"
+
+
+def shared_directory() -> Path | None:
+    """The directory this process records its metrics in, when it is one of several."""
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+def start_shared_metrics() -> Path:
+    """A fresh directory for this start's workers (counters start at 0 again), named in the
+    environment they inherit."""
+    directory = Path(tempfile.mkdtemp(prefix="tf-registry-proxy-metrics-"))
+    (directory / _WORKERS).mkdir()
+    os.environ[ENV] = str(directory)
+    return directory
+
+
+def register_worker(index: int) -> None:
+    """In a worker: say which process is worker `index` (its process metrics)."""
+    directory = shared_directory()
+    if directory is not None and (directory / _WORKERS).is_dir():
+        (directory / _WORKERS / str(index)).write_text(str(os.getpid()))
+
+
+def worker_exited(directory: Path, index: int, pid: int) -> None:
+    """In the parent: a worker is gone; its live gauges (open connections, fills) no longer
+    count. Its counters do: what it counted happened."""
+    mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    (directory / _WORKERS / str(index)).unlink(missing_ok=True)
+
+
+def remove_shared_metrics(directory: Path) -> None:
+    """In the parent, once every worker stopped: the directory is of no further use."""
+    shutil.rmtree(directory, ignore_errors=True)
+    if os.environ.get(ENV) == str(directory):
+        del os.environ[ENV]
+
+
+class WorkerProcesses(Collector):
+    """The process_* metrics (CPU, memory, file descriptors, start time) of every live
+    worker, each labelled worker="N"."""
+
+    def __init__(self, directory: Path) -> None:
+        self._workers = directory / _WORKERS
+        self._pid = 0
+        self._process = ProcessCollector(pid=lambda: self._pid, registry=None)
+
+    def collect(self) -> Iterable[Metric]:
+        """One family per process metric, one sample per worker."""
+        families: dict[str, Metric] = {}
+        for marker in sorted(self._workers.glob("*")):
+            try:
+                self._pid = int(marker.read_text())
+            except (OSError, ValueError):  # gone, or being written
+                continue
+            for family in self._process.collect():
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type))
+                for found in family.samples:
+                    merged.add_sample(found.name, {**found.labels, "worker": marker.name},
+                                      found.value)
+        return list(families.values())
