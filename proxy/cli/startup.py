@@ -77,7 +77,7 @@ def _cache_line(config: Config) -> str:
 
 
 def _audit_log(config: Config) -> str:
-    # server.audit_log (a path, "-" for stdout, or unset) where this version has it.
+    # server.audit_log: a path, "-" for stdout, or unset.
     target = config.server.audit_log
     if not target:
         return "off"
