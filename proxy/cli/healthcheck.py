@@ -24,10 +24,10 @@ def healthcheck(config: Config) -> int:
     # Straight to this machine: an egress proxy from HTTPS_PROXY could not reach it.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
                                          urllib.request.HTTPSHandler(context=context))
+    url = f"https://{host}:{config.server.port}/healthz"
     try:
-        with opener.open(f"https://{host}:{config.server.port}/healthz",
-                         timeout=5) as response:
+        with opener.open(url, timeout=5) as response:
             return 0 if response.status == 200 else 1
-    except OSError as exc:
-        print(f"tf-registry-proxy: unhealthy: {exc}", file=sys.stderr)
+    except OSError as exc:  # name what was tried: the port may be another config's
+        print(f"tf-registry-proxy: unhealthy: {url}: {exc}", file=sys.stderr)
         return 1

@@ -26,8 +26,10 @@ def startup_lines(config: Config, generated_ca: Path | None) -> list[str]:
     lines = [f"tf-registry-proxy {__version__} starting, {mode}; server.listen "
              f"{host}:{server.port}, clients use {server.base_url}, {workers}"]
     if generated_ca is not None:
-        lines.append("serving with a generated certificate; clients trust it with "
-                     f"SSL_CERT_FILE={generated_ca}")
+        # SSL_CERT_FILE replaces the system trust store: point it at a bundle, not the CA alone.
+        lines.append(f"serving with a generated certificate: clients add the CA {generated_ca} "
+                     "to their trust (a bundle with the system CAs, for SSL_CERT_FILE; see "
+                     "`tf-registry-proxy client-config`)")
     lines.append(f"upstream hosts allowed: {', '.join(sorted(upstream.all_hosts)) or 'none'}"
                  + "".join(f"; {_host_services(name, config)}"
                            for name in sorted(upstream.hosts)))

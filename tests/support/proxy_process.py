@@ -36,14 +36,15 @@ class ProxyProcess:
 
     @property
     def ca_file(self) -> Path:
-        """The CA the proxy tells operators to give clients (its SSL_CERT_FILE= log line)."""
+        """The CA the proxy tells operators to give clients (its start-up log line)."""
         if self._ca_file is None:
             raise RuntimeError(f"the proxy named no CA to trust: {self.log.read_text()[-3000:]}")
         return self._ca_file
 
     def _announced_ca(self) -> Path | None:
         written = self.log.read_bytes()[self._log_start:] if self.log.exists() else b""
-        found = re.findall(r"SSL_CERT_FILE=([^\s\"]+)", written.decode(errors="replace"))
+        found = re.findall(r"clients add the CA ([^\s\"]+) to their trust",
+                           written.decode(errors="replace"))
         return Path(found[-1]) if found else None
 
     def _all_listening(self) -> bool:
