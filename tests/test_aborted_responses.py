@@ -20,11 +20,16 @@ import aiofiles.os
 import aiohttp
 import pytest
 import trustme
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, make_mocked_request
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
+from proxy.core.errors import IntegrityError
+from proxy.core.metrics import Metrics
 from proxy.store.archives import ArchiveStore
+from proxy.web.access_log import request_line_fields
+from proxy.web.responses import abort_after_headers
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import declared, sample
 from tests.support.raw_http import RawAnswer, Served, raw_get, served
@@ -266,3 +271,15 @@ async def test_client_hanging_up_is_neither_an_error_nor_an_abort(
     for reason in ("integrity", "upstream", "io", "internal"):
         assert sample(text, ABORTED, route="mirror", reason=reason) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_the_access_line_of_a_cut_off_download_says_so() -> None:
+    # The status line said 200 before the failure: the access log must not read as a success.
+    request = make_mocked_request("GET", f"{BASE}/{ZIP}")
+    response = web.StreamResponse()
+    response.content_length = 1000
+    abort_after_headers(request, IntegrityError("checksum", "does not match"),
+                        Metrics().aborted_responses, "mirror")
+    fields = request_line_fields(request, response, 0.01)
+    assert fields["aborted"] == "integrity"
+    assert fields["bytes"] != 1000  # not the announced size: it was not all sent

@@ -52,7 +52,8 @@ def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str]) 
     try:
         result = pysequoia.verify(bytes=data, signature=sig, store=lambda _ids: certs)
     except Exception as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first_line = (str(exc).splitlines()[0].rstrip(".") if str(exc)
+                      else type(exc).__name__)
         raise IntegrityError("signature", "SHA256SUMS signature does not verify with "
                              f"upstream's signing keys ({named}): {first_line}",
                              signed_by=issuer, keys_tried=tried) from None

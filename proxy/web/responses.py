@@ -25,7 +25,7 @@ from proxy.core.json_bodies import JsonBody
 from proxy.core.redaction import mask_secrets
 from proxy.core.spool import GrowingFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
-from proxy.web.access_log import CACHE_RESULT_KEY
+from proxy.web.access_log import ABORTED_KEY, CACHE_RESULT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ def abort_after_headers(request: web.Request, exc: BaseException, aborted: Count
     else:
         reason = _abort_reason(exc)
         aborted.labels(route, reason).inc()
+        request[ABORTED_KEY] = reason
         if explained:
             _reset_connection(request)
             return
