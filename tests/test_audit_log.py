@@ -6,6 +6,7 @@ with several workers; a new file after logrotate's rename and SIGHUP."""
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import signal
 import ssl
@@ -64,20 +65,53 @@ async def test_a_fill_and_the_archives_served_each_write_a_line(
     assert f"token={registry.url_token}" not in log.read_text()
 
 
+async def test_served_packages_carry_the_sha256_and_key_of_their_fill(
+        make: AppClient, registry: FakeRegistry, signer: GpgKey, tmp_path: Path) -> None:
+    # An auditor must not need the fetched line (rotated away, maybe) to know what was sent.
+    log = tmp_path / "audit.log"
+
+    async def get_twice() -> None:
+        client = await make(server_audit_log=str(log))
+        for _ in range(2):
+            response = await client.get(f"{BASE}/{ZIP}")
+            assert response.status == 200
+            await response.read()
+
+    await get_twice()  # a miss, then a hit
+    [fetched] = await eventually(log, "fetched")
+    served = await eventually(log, "served", count=2)
+    assert [line["cache"] for line in served] == ["miss", "hit"]
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    assert fetched["sha256"] == release.sha256("linux_amd64")
+    assert fetched["key_id"] == key_id(signer)
+    # The fetched line rotated away; a restarted proxy (nothing in memory) serves hits.
+    log.rename(tmp_path / "audit.log.1")
+    await get_twice()
+    served += await eventually(log, "served", count=2)
+    assert not events(log, "fetched")
+    assert [line["cache"] for line in served] == ["miss", "hit", "hit", "hit"]
+    for line in served:
+        assert (line["sha256"], line["key_id"]) == (fetched["sha256"], fetched["key_id"])
+
+
 async def test_module_fill_and_archive_are_audited(make: AppClient, registry: FakeRegistry,
                                                    tmp_path: Path) -> None:
     log = tmp_path / "audit.log"
     client = await make(server_audit_log=str(log))
     base = "/modules/registry.terraform.io/acme/tarball/aws/1.0.0"
     assert (await client.get(f"{base}/download")).status in (200, 204)
-    response = await client.get(f"{base}/tarball-aws-1.0.0.tar.gz")
-    assert response.status == 200
-    body = await response.read()
+    for _ in range(2):  # waits for the fill `download` started, then a hit
+        response = await client.get(f"{base}/tarball-aws-1.0.0.tar.gz")
+        assert response.status == 200
+        body = await response.read()
     module = {"kind": "module", "host": "registry.terraform.io", "namespace": "acme",
               "name": "tarball", "system": "aws", "version": "1.0.0"}
     [fetched] = await eventually(log, "fetched", **module)
-    [served] = await eventually(log, "served", **module)
-    assert fetched["bytes"] == served["bytes"] == len(body)
+    served = await eventually(log, "served", count=2, **module)
+    for line in served:
+        assert fetched["bytes"] == line["bytes"] == len(body)
+        assert line["sha256"] == fetched["sha256"] == hashlib.sha256(body).hexdigest()
+        assert "key_id" not in line
     assert fetched["upstream_url"].startswith(registry.url) and len(fetched["sha256"]) == 64
     assert "key_id" not in fetched  # nothing signs a module
 

@@ -58,6 +58,21 @@ REQUESTER: contextvars.ContextVar[Requester | None] = contextvars.ContextVar(
     "audit_requester", default=None)
 
 
+@dataclass
+class ServedFacts:
+    """What the service knows about the archive a request is answered with (the protocol
+    layer fills it in), for that request's `served` line."""
+
+    sha256: str | None = None
+    key_id: str | None = None
+
+
+# Set per request by the web layer only while the audit log is on: the service reads the
+# facts of what it serves (an index read on a hit) only when someone will write them down.
+SERVED_FACTS: contextvars.ContextVar[ServedFacts | None] = contextvars.ContextVar(
+    "audit_served_facts", default=None)
+
+
 @dataclass(frozen=True)
 class Artifact:
     """What a line is about: a provider (package) or a registry module, as far as known."""

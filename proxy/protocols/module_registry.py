@@ -20,7 +20,7 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.activity import Activity
-from proxy.core.audit import NO_AUDIT, Artifact, AuditLog
+from proxy.core.audit import NO_AUDIT, SERVED_FACTS, Artifact, AuditLog
 from proxy.core.errors import Offline, ProxyError, UnknownVersion
 from proxy.core.executors import quick, slow
 from proxy.core.json_bodies import JsonBody
@@ -123,10 +123,20 @@ class ModuleRegistry:
         stored = await self._stored(module, version)
         if stored is not None:
             self._metrics.cache_lookups.labels("module", "hit").inc()
-            return stored
-        self._metrics.cache_lookups.labels("module", "miss").inc()
-        # Shielded: a client that hangs up does not cancel a fill others wait for.
-        return await asyncio.shield(self._start_fill(module, version))
+        else:
+            self._metrics.cache_lookups.labels("module", "miss").inc()
+            # Shielded: a client that hangs up does not cancel a fill others wait for.
+            stored = await asyncio.shield(self._start_fill(module, version))
+        await self._note_served(module, version)
+        return stored
+
+    async def _note_served(self, module: ModuleAddress, version: str) -> None:
+        """Hand the archive's recorded sha256 to the audit line of the request serving it;
+        nothing (no index read) while the audit log is off."""
+        facts = SERVED_FACTS.get()
+        if facts is not None:
+            facts.sha256 = recorded_sha256(
+                await self._cache.get(layout.module_archive_record(module, version)))
 
     # --- versions ------------------------------------------------------------------------
 

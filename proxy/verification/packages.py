@@ -17,6 +17,7 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.activity import Activity
+from proxy.core.audit import SERVED_FACTS, key_id
 from proxy.core.errors import IntegrityError, IntegrityKind, UnknownVersion
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
@@ -247,6 +248,20 @@ class VerifiedPackages:
         record = await self._cache.get(layout.sums_record(provider, version, name))
         signed_by = record.get("signed_by") if isinstance(record, dict) else None
         return signed_by if isinstance(signed_by, str) and signed_by else None
+
+    async def note_served(self, provider: ProviderAddress, version: str,
+                          platform: Platform) -> None:
+        """Hand the package's sha256 and the key that signed its SHA256SUMS to the audit line
+        of the request serving it; nothing (no read) while the audit log is off."""
+        facts = SERVED_FACTS.get()
+        if facts is None:
+            return
+        package = self._held.get(self.package_key(provider, version, platform)) or \
+            await self.stored_facts(provider, version, platform)
+        if package is None:
+            return
+        facts.sha256 = package.shasum
+        facts.key_id = key_id(await self.signer(provider, version, package.sums_id))
 
     async def signed_sums(self, provider: ProviderAddress, version: str,
                           info: DownloadInfo) -> bytes:

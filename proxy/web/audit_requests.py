@@ -10,7 +10,15 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.core.audit import REQUESTER, Artifact, AuditLog, Requester, refusal
+from proxy.core.audit import (
+    REQUESTER,
+    SERVED_FACTS,
+    Artifact,
+    AuditLog,
+    Requester,
+    ServedFacts,
+    refusal,
+)
 from proxy.core.errors import BadRequest, IntegrityError, ProxyError
 from proxy.core.models import (
     ModuleAddress,
@@ -86,6 +94,8 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         requester = Requester(request.remote, request.get(TOKEN_NAME_KEY))
         # Fills this request starts carry it along (the first requester of a fill).
         current = REQUESTER.set(requester)
+        facts = ServedFacts()
+        current_facts = SERVED_FACTS.set(facts)
         try:
             response = await handler(request)
         except ProxyError as exc:
@@ -97,13 +107,15 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
                              **_signature_details(exc))
             raise
         finally:
+            SERVED_FACTS.reset(current_facts)
             REQUESTER.reset(current)
         if request.method == "GET" and response.status in _SENT:
             named = artifact(request)
             if named is not None and named[1]:
                 audit.record("served", named[0], requester=requester, status=response.status,
                              bytes=response.content_length,
-                             cache=request.get(CACHE_RESULT_KEY))
+                             cache=request.get(CACHE_RESULT_KEY), sha256=facts.sha256,
+                             key_id=facts.key_id)
         return response
 
     return wrapped
