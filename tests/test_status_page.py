@@ -179,6 +179,29 @@ async def test_status_needs_the_token_when_clients_authenticate(
     assert PageReader(await page.text()).texts["mode"] == "online"
 
 
+async def test_a_browser_gives_the_token_as_a_basic_password(
+        make: AppClient, registry: FakeRegistry) -> None:
+    # A browser cannot send a bearer token; challenged with Basic it asks for a password.
+    client = await make(extra=f'[auth]\ntokens = ["{TOKEN}"]\n')
+    refused = await client.get("/")
+    challenges = refused.headers.getall("WWW-Authenticate")
+    assert any(c.startswith("Basic ") for c in challenges), challenges
+
+    def basic(password: str) -> dict[str, str]:
+        pair = base64.b64encode(f"anyone:{password}".encode()).decode()
+        return {"Authorization": f"Basic {pair}"}
+
+    for path in ("/", "/status.json"):
+        assert (await client.get(path, headers=basic(TOKEN))).status == 200, path
+        assert (await client.get(path, headers=basic("wrong-token-123"))).status == 401
+    # Only the pages for people: Terraform's routes still take bearer tokens alone.
+    mirror = await client.get("/mirror/registry.terraform.io/hashicorp/null/index.json",
+                              headers=basic(TOKEN))
+    assert mirror.status == 401
+    assert not any(c.startswith("Basic ")
+                   for c in mirror.headers.getall("WWW-Authenticate"))
+
+
 async def test_no_secret_on_the_page_or_in_the_json(make: AppClient, registry: FakeRegistry,
                                                     write_config: Callable[..., Path]) -> None:
     url_secret, upstream_token = "url-password-0123456789", "upstream-token-0123456789"

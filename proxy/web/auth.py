@@ -5,6 +5,8 @@ fatal)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import os
 import secrets
@@ -22,6 +24,9 @@ SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 # The name of the token a request authenticated with (never the token: see AuthConfig).
 TOKEN_NAME_KEY = web.RequestKey("token_name", str)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
+# Pages for people: a browser cannot send a bearer token, but asks for a user name and
+# password when challenged with Basic; the password is the token.
+BASIC_ROUTES = frozenset({"status_page", "status_json"})
 Authenticate = Callable[[web.Request], None]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
@@ -88,9 +93,27 @@ def _bearer_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None
     return matches.index(True) if True in matches else None
 
 
-def _bearer_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfig) -> bool:
-    """Whether the request presents one of tokens; notes its name on the request."""
+def _basic_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None:
+    """The index of the token given as a Basic password (any user name), None if none."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic" or not encoded:
+        return None
+    try:
+        _user, _, given = base64.b64decode(encoded.strip(), validate=True).partition(b":")
+    except (binascii.Error, ValueError):
+        return None
+    matches = [hmac.compare_digest(given, token) for token in tokens]
+    return matches.index(True) if True in matches else None
+
+
+def _token_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfig,
+              basic: bool = False) -> bool:
+    """Whether the request presents one of tokens (as a bearer token, or as a Basic password
+    where basic); notes its name on the request."""
     index = _bearer_match(request, tokens)
+    if index is None and basic:
+        index = _basic_match(request, tokens)
     if index is None:
         return False
     request[TOKEN_NAME_KEY] = config.name_of(index)
@@ -104,9 +127,10 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
         return None
     tokens = tuple(t.value.encode() for t in config.tokens)
     sums = route == "provider_sums"
+    basic = route in BASIC_ROUTES
 
     def authenticate(request: web.Request) -> None:
-        if _bearer_ok(request, tokens, config):
+        if _token_ok(request, tokens, config, basic):
             return
         if sums or request.path.endswith(_ARCHIVE_SUFFIXES):
             signer = request.app[SIGNER_KEY]
@@ -118,6 +142,9 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
                 return
             raise Unauthorized("this archive URL is not validly signed or has expired: ask "
                                "for the version document again")
+        if basic:
+            raise Unauthorized("a token is required: a bearer token, or in a browser the "
+                               "token as the password (any user name)")
         raise Unauthorized("a bearer token is required (Terraform: a credentials block or "
                            "TF_TOKEN_ variable for this proxy's hostname)")
 
