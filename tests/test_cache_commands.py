@@ -4,6 +4,7 @@ through a real proxy process from the fake registry, run as operators run them
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.audit import events
 from tests.support.cache_cli import (
     NULL,
     RANDOM,
@@ -152,10 +154,16 @@ def test_verify_passes_then_drops_a_corrupted_zip_which_is_then_fetched_again(
         handle.write(bytes([damaged.data[len(damaged.data) // 2] ^ 0xFF]))
     os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
 
-    bad = proxy.cli("cache", "verify")
+    # The dry run reports it as damaged; the real one drops it: both tell the audit log
+    # and the running server's status page, not only the terminal.
+    audit = proxy.cache_dir.parent / "audit.log"
+    with_audit = {"TF_REGISTRY_PROXY_SERVER_AUDIT_LOG": str(audit)}
+    assert proxy.cli("cache", "verify", "--dry-run", env=with_audit).returncode == 1
+    bad = proxy.cli("cache", "verify", env=with_audit)
     no_escapes(bad)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert f"BAD {damaged.key}: the stored file has sha256" in bad.stdout
+    _assert_reported(proxy, audit, damaged)
     assert "3 good" in bad.stdout and "1 bad (1 dropped" in bad.stdout
     assert not path.exists()
     index = disk_index(proxy.cache_dir)
@@ -171,6 +179,32 @@ def test_verify_passes_then_drops_a_corrupted_zip_which_is_then_fetched_again(
     assert fetch_again(proxy, damaged) == damaged.data
     assert registry.archive_requests(), "the dropped package was not fetched again"
     assert proxy.cli("cache", "verify").returncode == 0
+
+
+def _assert_reported(proxy: ProxyProcess, audit: Path, damaged: Fetched) -> None:
+    """The damaged package is in the audit log (damaged by the dry run, then dropped) and
+    among the integrity failures on the status page of the proxy serving the cache."""
+    host, namespace, type_ = damaged.address.split("/")
+    assert damaged.platform is not None
+    os_, arch = damaged.platform.split("_")
+    identity = {"kind": "provider", "host": host, "namespace": namespace, "type": type_,
+                "version": damaged.version, "os": os_, "arch": arch, "outcome": "integrity",
+                "sha256_recorded": hashlib.sha256(damaged.data).hexdigest()}
+    middle = len(damaged.data) // 2
+    stored = damaged.data[:middle] + bytes([damaged.data[middle] ^ 0xFF]) \
+        + damaged.data[middle + 1:]
+    for event in ("damaged", "dropped"):
+        [line] = events(audit, event, **identity)
+        assert line["sha256_found"] == hashlib.sha256(stored).hexdigest()
+        assert line["reason"].startswith("the stored file has sha256")
+        assert line["client"] is None and line["token"] is None
+    failures = json.loads(proxy.get("/status.json"))["integrity_failures"]
+    named = [failure for failure in failures
+             if failure["artifact"] == f"{damaged.address} {damaged.version} {damaged.platform}"]
+    assert [failure["kind"] for failure in named] == ["stored", "stored"], failures
+    assert named[0]["reason"].endswith("dropped, to be fetched again")
+    assert named[1]["reason"].endswith("kept (--dry-run)")
+    assert named[0]["time"] >= named[1]["time"]
 
 
 def fetch_again(proxy: ProxyProcess, item: Fetched) -> bytes:

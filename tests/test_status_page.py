@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from proxy import __version__
 from proxy.config import load_config
 from proxy.core.activity import COUNTED_NAMES, Activity, CappedCounts, merge_snapshots
-from proxy.core.activity_share import SnapshotShare
+from proxy.core.activity_share import FAILURES_FILE, SnapshotShare
 from proxy.tls.state import StatePaths
 from proxy.web.status_page import render_status_page
 from tests.conftest import AppClient
@@ -308,6 +309,30 @@ def test_snapshots_merge_across_processes(tmp_path: Path) -> None:
     assert [f["artifact"] for f in merged["integrity_failures"]] == ["new", "old"]
     assert merged["fills_in_flight"] == 3
     assert SnapshotShare(tmp_path, pid=1).others()[0]["fills_in_flight"] == 2  # not its own
+
+
+def test_commands_share_their_failures_bounded_newest_first_a_damaged_file_skipped(
+        tmp_path: Path) -> None:
+    share = SnapshotShare(tmp_path, pid=1)
+    (tmp_path / FAILURES_FILE).write_text("[{not json")
+    assert share.command_failures() == []
+    activity = Activity()
+    for number in range(5):
+        activity.integrity_failure(f"a{number}", "stored", "r")
+        time.sleep(0.002)
+    share.add_failures(activity.snapshot()["integrity_failures"], keep=4)  # starts afresh
+    later = Activity()
+    later.integrity_failure("b", "stored", "r")
+    (tmp_path / FAILURES_FILE).write_text(json.dumps(
+        [*json.loads((tmp_path / FAILURES_FILE).read_text()), {"artifact": 1}]))
+    SnapshotShare(tmp_path, pid=2).add_failures(later.snapshot()["integrity_failures"], keep=4)
+    assert [f["artifact"] for f in share.command_failures()] == ["b", "a4", "a3", "a2"]
+    # Not a process's snapshot: never taken for one, nor deleted as a dead process's.
+    assert share.others() == []
+    old = time.time() - 3600
+    os.utime(tmp_path / FAILURES_FILE, (old, old))
+    share.others()
+    assert len(share.command_failures()) == 4
 
 
 def test_every_worker_process_is_counted(tmp_path: Path, registry: FakeRegistry,

@@ -20,6 +20,7 @@ from proxy.cli.cache_output import (
 from proxy.cli.cache_store import opened_store, run_on_store, where
 from proxy.cli.logs import COMMAND_FORMAT, configure_logging
 from proxy.cli.prune import add_prune_options, pattern, prune_command
+from proxy.cli.verify_reports import DamageReports
 from proxy.config import Config
 from proxy.store.contents import AddressPattern, HeldBlob, held_blobs, stats_of
 from proxy.verification.stored_checks import VerifyReport, verify_held
@@ -98,7 +99,7 @@ async def _stats(config: Config, as_json: bool) -> int:
 async def _verify(config: Config, selected: AddressPattern | None, dry_run: bool) -> int:
     async with opened_store(config) as storage:
         held = await held_blobs(storage, selected)
-        with progress("verify") as shown:
+        with DamageReports(config, dry_run) as reports, progress("verify") as shown:
             done = 0
 
             def outcome(blob: HeldBlob, what: str, why: str) -> None:
@@ -111,7 +112,7 @@ async def _verify(config: Config, selected: AddressPattern | None, dry_run: bool
                     print(f"{_OUTCOMES[what]} {blob.key}")
 
             shown.update(0, len(held))
-            report = await verify_held(storage, held, dry_run, outcome)
+            report = await verify_held(storage, held, dry_run, outcome, reports.damaged)
     print(_summary(report, dry_run))
     return DAMAGED if report.bad else 0
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from proxy import __version__
 from proxy.config import Config
-from proxy.core.activity import Activity, HostHealth, merge_snapshots
+from proxy.core.activity import RECENT_FAILURES, Activity, HostHealth, merge_snapshots
 from proxy.core.activity_share import WRITE_SECONDS, SnapshotShare
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
@@ -87,9 +87,12 @@ class StatusReport:
     async def document(self) -> dict[str, Any]:
         """The status document (see README, "Status page")."""
         others = await quick(self._share.others)
+        from_commands = await quick(self._share.command_failures)
         await quick(self._blobs.reread_usage)
         snapshots = [self.snapshot(), *(s for s in others if _readable(s))]
         merged = merge_snapshots(snapshots)
+        failures = sorted([*merged["integrity_failures"], *from_commands],
+                          key=lambda failure: failure["time"], reverse=True)[:RECENT_FAILURES]
         upstream = self._config.upstream
         hosts: dict[str, HostHealth] = merged["hosts"]
         names = sorted(set(upstream.all_hosts) | set(hosts))
@@ -113,7 +116,7 @@ class StatusReport:
             "lookups": _lookups(merged.get("lookups", {})),
             "fills_in_flight": int(merged.get("fills_in_flight", 0)),
             "integrity_failures": [{**failure, "time": _iso(failure["time"])}
-                                   for failure in merged["integrity_failures"]],
+                                   for failure in failures],
             "top_providers": _top(merged["requested"].get("provider", [])),
             "top_modules": _top(merged["requested"].get("module", [])),
         }

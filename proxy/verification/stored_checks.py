@@ -33,10 +33,14 @@ class VerifyReport:
 # Told each blob's outcome: the blob, "good" | "bad" | "unrecorded" | "gone", and for a bad
 # one why.
 Outcome = Callable[[HeldBlob, str, str], None]
+# Told each damaged blob this verify dropped (or, dry_run, would drop): the blob, the damage,
+# the sha256 its record vouches for.
+Damaged = Callable[[HeldBlob, DamagedFile, str], None]
 
 
 async def verify_held(storage: Storage, held: list[HeldBlob], dry_run: bool = False,
-                      outcome: Outcome | None = None) -> VerifyReport:
+                      outcome: Outcome | None = None,
+                      damaged: Damaged | None = None) -> VerifyReport:
     """Check every blob in held (see the module's docstring); dry_run: report bad ones,
     drop nothing."""
     report = VerifyReport()
@@ -54,8 +58,11 @@ async def verify_held(storage: Storage, held: list[HeldBlob], dry_run: bool = Fa
         except DamagedFile as damage:
             report.bad.append(f"{blob.key}: the stored file {damage.message}")
             tell(blob, "bad", damage.message)
-            if not dry_run and await _drop(storage, blob, damage):
-                report.dropped += 1
+            dropped = not dry_run and await _drop(storage, blob, damage)
+            report.dropped += dropped
+            # Gone or replaced meanwhile: whoever dropped it first reported it.
+            if damaged is not None and (dry_run or dropped):
+                damaged(blob, damage, sha256)
             continue
         if not found:
             report.gone += 1

@@ -31,9 +31,11 @@ class DamagedFile(IntegrityError):
     """A stored file whose bytes are not the signed package, or cannot be read: it must be
     dropped and fetched again."""
 
-    def __init__(self, message: str, identity: FileIdentity | None) -> None:
+    def __init__(self, message: str, identity: FileIdentity | None,
+                 sha256: str | None = None) -> None:
         super().__init__("stored", message)
         self.identity = identity  # of the file that was read, if known
+        self.sha256 = sha256  # of the bytes read, when they were read whole
 
 
 async def h1_of_stored(store: BlobStore, key: str, sha256: str, use: bool = True) -> str | None:
@@ -221,7 +223,7 @@ def _checked_read(blob: OpenBlob, sha256: str,
     def checked(blob: OpenBlob, handle: BinaryIO, before: FileIdentity, actual: str) -> T:
         if actual != sha256.lower():
             raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
-                              "stored with", before)
+                              "stored with", before, actual)
         return then(blob, handle, before)
     return _hashed_read(blob, checked)
 
