@@ -72,7 +72,8 @@ def create_app(config: Config,
     open_storage opens another backend."""
     if open_storage is None:
         open_storage = configured_storage(config.cache)
-    metrics = Metrics(upstream_hosts=sorted(config.upstream.all_hosts), body_routes=FILE_ROUTES)
+    metrics = Metrics(upstream_hosts=sorted(config.upstream.all_hosts), body_routes=FILE_ROUTES,
+                      offline=config.upstream.offline)
     # No middleware: errors, authentication and counting wrap each route's handler once
     # (route_guard), so a request runs only its own route's steps.
     app = web.Application()

@@ -358,3 +358,11 @@ def test_every_worker_process_is_counted(tmp_path: Path, registry: FakeRegistry,
     archive = document["lookups"]["by_kind"]["archive"]
     assert archive.get("hit", 0) + archive.get("miss", 0) == requests
     assert not list((cache / "status").glob("*.json"))  # withdrawn at shutdown
+
+
+async def test_metrics_say_whether_the_instance_is_offline(make: AppClient) -> None:
+    # For alerts that read only Prometheus: an offline instance's misses are not failures.
+    for mode, expected in (("offline", 1), ("online", 0)):
+        client = await make(upstream_mode=mode)
+        text = await (await client.get("/metrics")).text()
+        assert sample(text, "tfproxy_upstream_offline") == expected, mode

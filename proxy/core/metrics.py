@@ -67,14 +67,29 @@ class _BuildInfo(Collector):
         return [family]
 
 
+class _UpstreamMode(Collector):
+    """1 when the proxy is offline (upstream.mode): alerts and dashboards that read only
+    Prometheus can tell an offline instance's misses from failures."""
+
+    def __init__(self, offline: bool) -> None:
+        self._offline = offline
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("tfproxy_upstream_offline", "1 when upstream.mode is "
+                                   "offline (upstream is never contacted), else 0.")
+        family.add_metric([], 1 if self._offline else 0)
+        return [family]
+
+
 class Metrics:
     """Every metric the proxy exports. upstream_hosts and body_routes (routes that stream a
     file, whose responses can be cut off) name the label values of the series started at 0
     that depend on the configuration."""
 
     def __init__(self, upstream_hosts: Iterable[str] = (),
-                 body_routes: Iterable[str] = ()) -> None:
+                 body_routes: Iterable[str] = (), offline: bool = False) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self._offline = offline
         self._sampled: list[SampledGauge] = []
 
         def counter(name: str, text: str, *labels: str) -> Counter:
@@ -187,6 +202,7 @@ class Metrics:
             exported.register(WorkerProcesses(directory))
         PlatformCollector(registry=exported)
         exported.register(_BuildInfo())
+        exported.register(_UpstreamMode(self._offline))
         return exported
 
     def render(self) -> bytes:
