@@ -99,6 +99,16 @@ class Artifact:
         return cls("module", address.hostname, address.namespace, address.name, version,
                    system=address.system)
 
+    def label(self) -> str:
+        """As operators read it: `provider HOST/NS/TYPE VERSION OS_ARCH`, `module
+        HOST/NS/NAME/SYSTEM VERSION` (as far as known)."""
+        address = f"{self.host}/{self.namespace}/{self.name}"
+        if self.system is not None:
+            address += f"/{self.system}"
+        parts = [self.kind, address, self.version,
+                 f"{self.os}_{self.arch}" if self.os and self.arch else None]
+        return " ".join(part for part in parts if part)
+
     def fields(self) -> dict[str, str]:
         """The identity fields of a line (those that are known)."""
         named = {"kind": self.kind, "host": self.host, "namespace": self.namespace,

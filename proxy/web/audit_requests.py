@@ -5,90 +5,34 @@ to the access log."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.core.audit import (
     REQUESTER,
     SERVED_FACTS,
-    Artifact,
     AuditLog,
     Requester,
     ServedFacts,
     refusal,
 )
-from proxy.core.errors import BadRequest, IntegrityError, ProxyError
-from proxy.core.models import (
-    ModuleAddress,
-    Platform,
-    ProviderAddress,
-    parse_module_version,
-    parse_version,
-)
+from proxy.core.errors import IntegrityError, ProxyError
 from proxy.web.access_log import CACHE_RESULT_KEY
+from proxy.web.artifacts import ARTIFACT_ROUTES, Named, named_artifact
 from proxy.web.auth import TOKEN_NAME_KEY
 
 # What a served archive's answer may be: whole, a range, or a redirect to the stored object.
 _SENT = (200, 206, 302)
 
 
-def _provider(info: web.UrlMappingMatchInfo) -> ProviderAddress:
-    return ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
-
-
-def _module(info: web.UrlMappingMatchInfo) -> ModuleAddress:
-    return ModuleAddress.parse(info["hostname"], info["namespace"], info["name"],
-                               info["system"])
-
-
-def _mirror(info: web.UrlMappingMatchInfo) -> tuple[Artifact, bool]:
-    provider, name = _provider(info), info["name"]
-    if name.endswith(".zip"):
-        version, platform = provider.parse_archive_filename(name)
-        return Artifact.provider(provider, version, platform), True
-    if name.endswith(".json") and name != "index.json":
-        return Artifact.provider(provider, parse_version(name.removesuffix(".json"))), False
-    return Artifact.provider(provider), False
-
-
-def _download(info: web.UrlMappingMatchInfo) -> tuple[Artifact, bool]:
-    return Artifact.provider(_provider(info), parse_version(info["version"]),
-                             Platform.parse(info["os"], info["arch"])), False
-
-
-def _module_file(info: web.UrlMappingMatchInfo) -> tuple[Artifact, bool]:
-    module = _module(info)
-    version = parse_module_version(info["version"])
-    archive = info["action"] == f"{module.name}-{module.system}-{version}.tar.gz"
-    return Artifact.module(module, version), archive
-
-
-# Per route: the artifact its path names, and whether the answer is that artifact's file.
-_IDENTIFY: dict[str, Callable[[web.UrlMappingMatchInfo], tuple[Artifact, bool]]] = {
-    "mirror": _mirror,
-    "provider_versions": lambda info: (Artifact.provider(_provider(info)), False),
-    "provider_download": _download,
-    "provider_sums": lambda info: (Artifact.provider(_provider(info),
-                                                     parse_version(info["version"])), False),
-    "module_versions": lambda info: (Artifact.module(_module(info)), False),
-    "module": _module_file,
-}
-
-
 def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
     """handler, writing the audit lines of route's requests (handler itself when the audit
     log is off, or route names no artifact)."""
-    identify = _IDENTIFY.get(route)
-    if not audit.enabled or identify is None:
+    if not audit.enabled or route not in ARTIFACT_ROUTES:
         return handler
 
-    def artifact(request: web.Request) -> tuple[Artifact, bool] | None:
-        try:
-            return identify(request.match_info)
-        except BadRequest:  # names no valid artifact
-            return None
+    def artifact(request: web.Request) -> Named | None:
+        return named_artifact(route, request.match_info)
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         requester = Requester(request.remote, request.get(TOKEN_NAME_KEY))
@@ -101,7 +45,7 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         except ProxyError as exc:
             named = artifact(request)
             if named is not None:
-                audit.record("refused", named[0], outcome=refusal(exc), requester=requester,
+                audit.record("refused", named.artifact, outcome=refusal(exc), requester=requester,
                              status=exc.status, reason=exc.message,
                              cache=request.get(CACHE_RESULT_KEY),
                              **_signature_details(exc))
@@ -111,8 +55,8 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
             REQUESTER.reset(current)
         if request.method == "GET" and response.status in _SENT:
             named = artifact(request)
-            if named is not None and named[1]:
-                audit.record("served", named[0], requester=requester, status=response.status,
+            if named is not None and named.is_file:
+                audit.record("served", named.artifact, requester=requester, status=response.status,
                              bytes=response.content_length,
                              cache=request.get(CACHE_RESULT_KEY), sha256=facts.sha256,
                              key_id=facts.key_id)

@@ -11,66 +11,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from proxy.core import models
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.log_limits import KeyedRateLimitedLog
 from proxy.core.redaction import excerpt, mask_secrets
-from proxy.verification.packages import SUMS_ID
+from proxy.web.artifacts import named_artifact
 
 log = logging.getLogger(__name__)
 
 # The same artifact failing for the same reason: one line a minute is enough to act on.
 WARNING_INTERVAL = 60.0
-_SUMS_FILES = ("SHA256SUMS", "SHA256SUMS.sig")
 
 
 def artifact_named(route: str, params: Mapping[str, str]) -> str | None:
     """The artifact a request to route with these path parameters names, as operators read
-    it ("provider HOST/NS/TYPE VERSION OS_ARCH", "module HOST/NS/NAME/SYSTEM VERSION"); None
-    when it names none or not validly."""
-    try:
-        if route in ("mirror", "provider_versions", "provider_download", "provider_sums"):
-            return _provider_artifact(route, params)
-        if route in ("module_versions", "module"):
-            return _module_artifact(route, params)
-    except BadRequest:
-        return None
-    return None
-
-
-def _provider_artifact(route: str, params: Mapping[str, str]) -> str | None:
-    provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
-                                            params["type"])
-    named = f"provider {provider}"
-    if route == "provider_versions":
-        return named
-    if route == "provider_download":
-        platform = models.Platform.parse(params["os"], params["arch"])
-        return f"{named} {models.parse_version(params['version'])} {platform.key}"
-    if route == "provider_sums":
-        if not SUMS_ID.fullmatch(params["sums"]) or params["file"] not in _SUMS_FILES:
-            return None
-        return f"{named} {models.parse_version(params['version'])}"
-    name = params["name"]
-    if name == "index.json":
-        return named
-    if name.endswith(".zip"):
-        version, platform = provider.parse_archive_filename(name)
-        return f"{named} {version} {platform.key}"
-    if name.endswith(".json"):
-        return f"{named} {models.parse_version(name.removesuffix('.json'))}"
-    return None
-
-
-def _module_artifact(route: str, params: Mapping[str, str]) -> str | None:
-    module = models.ModuleAddress.parse(params["hostname"], params["namespace"],
-                                        params["name"], params["system"])
-    if route == "module_versions":
-        return f"module {module}"
-    version = models.parse_module_version(params["version"])
-    if params["action"] not in ("download", f"{module.name}-{module.system}-{version}.tar.gz"):
-        return None
-    return f"module {module} {version}"
+    it; None when it names none or not validly."""
+    named = named_artifact(route, params)
+    return named.artifact.label() if named is not None else None
 
 
 class ErrorWarnings:

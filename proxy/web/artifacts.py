@@ -1,0 +1,75 @@
+"""The artifact a request names, from its route and path parameters: one reading for the
+audit log and the refusal warnings. None when the path names none, or not validly (a
+scanner's or a typo's path), so neither writes a line for it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proxy.core import models
+from proxy.core.audit import Artifact
+from proxy.core.errors import BadRequest
+from proxy.verification.packages import SUMS_ID
+
+_SUMS_FILES = ("SHA256SUMS", "SHA256SUMS.sig")
+_PROVIDER_ROUTES = ("mirror", "provider_versions", "provider_download", "provider_sums")
+_MODULE_ROUTES = ("module_versions", "module")
+ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES)  # routes that can name one
+
+
+@dataclass(frozen=True)
+class Named:
+    """An artifact a request names, and whether the answer is that artifact's file."""
+
+    artifact: Artifact
+    is_file: bool = False
+
+
+def named_artifact(route: str, params: Mapping[str, str]) -> Named | None:
+    """What a request to route with these path parameters names; None if nothing validly."""
+    try:
+        if route in _PROVIDER_ROUTES:
+            return _provider(route, params)
+        if route in _MODULE_ROUTES:
+            return _module(route, params)
+    except BadRequest:
+        return None
+    return None
+
+
+def _provider(route: str, params: Mapping[str, str]) -> Named | None:
+    provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
+                                            params["type"])
+    if route == "provider_versions":
+        return Named(Artifact.provider(provider))
+    if route == "provider_download":
+        platform = models.Platform.parse(params["os"], params["arch"])
+        return Named(Artifact.provider(provider, models.parse_version(params["version"]),
+                                       platform))
+    if route == "provider_sums":
+        if not SUMS_ID.fullmatch(params["sums"]) or params["file"] not in _SUMS_FILES:
+            return None
+        return Named(Artifact.provider(provider, models.parse_version(params["version"])))
+    name = params["name"]
+    if name == "index.json":
+        return Named(Artifact.provider(provider))
+    if name.endswith(".zip"):
+        version, platform = provider.parse_archive_filename(name)
+        return Named(Artifact.provider(provider, version, platform), is_file=True)
+    if name.endswith(".json"):
+        return Named(Artifact.provider(provider,
+                                       models.parse_version(name.removesuffix(".json"))))
+    return None
+
+
+def _module(route: str, params: Mapping[str, str]) -> Named | None:
+    module = models.ModuleAddress.parse(params["hostname"], params["namespace"],
+                                        params["name"], params["system"])
+    if route == "module_versions":
+        return Named(Artifact.module(module))
+    version = models.parse_module_version(params["version"])
+    archive = f"{module.name}-{module.system}-{version}.tar.gz"
+    if params["action"] not in ("download", archive):
+        return None
+    return Named(Artifact.module(module, version), is_file=params["action"] == archive)
