@@ -87,7 +87,10 @@ def _bearer_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None
     scheme, _, presented = header.partition(" ")
     if scheme.lower() != "bearer" or not presented:
         return None
-    given = presented.strip().encode()
+    return _index_of(presented.strip().encode(), tokens)
+
+
+def _index_of(given: bytes, tokens: tuple[bytes, ...]) -> int | None:
     # Compare against every token, so the time taken does not say which one nearly matched.
     matches = [hmac.compare_digest(given, token) for token in tokens]
     return matches.index(True) if True in matches else None
@@ -103,8 +106,7 @@ def _basic_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None:
         _user, _, given = base64.b64decode(encoded.strip(), validate=True).partition(b":")
     except (binascii.Error, ValueError):
         return None
-    matches = [hmac.compare_digest(given, token) for token in tokens]
-    return matches.index(True) if True in matches else None
+    return _index_of(given, tokens)
 
 
 def _token_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfig,
