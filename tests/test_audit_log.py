@@ -123,6 +123,8 @@ async def test_refusals_that_name_an_artifact_say_why(make: AppClient, registry:
     assert (await online.get(f"{BASE}/9.9.9.json")).status == 404
     assert (await online.get("/mirror/example.com/acme/thing/index.json")).status == 404
     assert (await online.get("/mirror/bad_host!/acme/thing/index.json")).status in (400, 404)
+    # A scanner's path under a real provider names no artifact (as for the warnings).
+    assert (await online.get(f"{BASE}/wp-login.php")).status == 404
     offline = await make(server_audit_log=str(log), upstream_mode="offline")
     assert (await offline.get(f"{BASE}/{ZIP}")).status == 404
     refused = events(log, "refused")
