@@ -75,6 +75,17 @@ def test_list_shows_what_was_fetched_and_nothing_else_with_sizes(
                                 "(1 modules)")
 
 
+def test_reading_the_cache_deletes_nothing_even_over_its_limit(
+        proxy: ProxyProcess, filled: list[Fetched]) -> None:
+    # Opened as a starting server opens it, the store was measured and evicted down to
+    # cache.max_size: a `cache list` with a smaller limit emptied the cache.
+    tiny = {"TF_REGISTRY_PROXY_CACHE_MAX_SIZE": "1KiB"}
+    for command in (("list",), ("stats",)):
+        result = proxy.cli("cache", *command, env=tiny)
+        assert result.returncode == 0, result.stderr
+    assert listed(proxy.cli("cache", "list", "--json")) == expected(filled)
+
+
 def test_list_filters_by_address_pattern(proxy: ProxyProcess, filled: list[Fetched]) -> None:
     null, random, module = filled[:2], filled[2:3], filled[3:]
     for pattern, wanted in (("hashicorp/null", null),

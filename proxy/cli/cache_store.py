@@ -9,13 +9,12 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
-from proxy.app import configured_storage
+from proxy.airgap.export import open_cache_for_reading
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop
 from proxy.config import Config
 from proxy.core.errors import ProxyError
 from proxy.core.executors import serving
-from proxy.core.metrics import Metrics
 from proxy.store.protocol import Storage
 
 # The exit status of a command whose store failed on the way (what was done stays done).
@@ -36,12 +35,13 @@ def where(config: Config) -> str:
 
 @asynccontextmanager
 async def opened_store(config: Config) -> AsyncIterator[Storage]:
-    """The configured store, with the thread pools its blocking calls run on."""
-    cache = config.cache
-    if cache.s3 is None:
+    """The configured store, with the thread pools its blocking calls run on. Opened as
+    export opens it: not as a starting server, which sweeps, measures the whole cache and
+    evicts down to the limit (a `cache list` must not delete anything)."""
+    if config.cache.s3 is None:
         _check_directory(config)
     async with serving(), AsyncExitStack() as opened:
-        yield await configured_storage(cache)(cache, Metrics(), opened)
+        yield await open_cache_for_reading(config, opened)
 
 
 def _check_directory(config: Config) -> None:
