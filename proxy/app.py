@@ -21,8 +21,8 @@ from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport, snapshot_directory
-from proxy.store.disk import open_disk_storage
-from proxy.store.protocol import StorageOpener
+from proxy.store.disk import open_disk_for_commands, open_disk_storage
+from proxy.store.protocol import Storage, StorageOpener
 from proxy.tls.state import StatePaths
 from proxy.upstream.discovery import Discovery
 from proxy.upstream.egress import EgressPolicy
@@ -63,6 +63,16 @@ def configured_storage(cache: CacheConfig) -> StorageOpener:
     # about 15 MiB of memory.
     from proxy.store.s3 import open_s3_storage
     return open_s3_storage
+
+
+async def open_for_commands(config: Config, opened: contextlib.AsyncExitStack) -> Storage:
+    """The configured store as commands open it (export, keys export, cache commands): the
+    bucket of cache.s3, or the cache directory without a starting server's sweep and
+    eviction."""
+    if config.cache.s3 is None:
+        return await open_disk_for_commands(config.cache, opened)
+    from proxy.store.s3 import open_s3_storage  # see configured_storage
+    return await open_s3_storage(config.cache, Metrics(), opened)
 
 
 def create_app(config: Config,

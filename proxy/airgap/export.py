@@ -26,19 +26,17 @@ from proxy.airgap.manifest import FORMAT, MANIFEST, SIGNATURE, BundleError, Coun
 from proxy.airgap.publish import opened_audit
 from proxy.airgap.signing import ManifestSigner
 from proxy.airgap.sources import Requirement
+from proxy.app import open_for_commands
 from proxy.config.settings import Config
 from proxy.core.audit import Artifact, AuditLog, key_id, local_user
 from proxy.core.errors import ProxyError
 from proxy.core.executors import slow_then_close
-from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
 from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
-from proxy.store.disk import DiskBlobStore, index_dir
-from proxy.store.index import MetadataCache
+from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobStore, OpenBlob, Storage
-from proxy.store.s3 import open_s3_storage
 from proxy.store.s3_objects import Conflict
 from proxy.upstream.documents import without_upstream_urls
 
@@ -99,24 +97,12 @@ async def _export(config: Config, output: Path, requirements: list[Requirement] 
                   signer: ManifestSigner | None, audit: AuditLog) -> Counts:
     async with AsyncExitStack() as opened:
         try:
-            storage = await open_cache_for_reading(config, opened)
+            storage = await open_for_commands(config, opened)
             return await _export_from(storage, output, requirements, signer, audit)
         except (ProxyError, Conflict, BotoCoreError, ClientError, sqlite3.Error) as exc:
             reason = exc.message if isinstance(exc, ProxyError) else repr(exc)[:300]
             raise BundleError(f"cannot read the cache: {reason}; nothing was exported") \
                 from None
-
-
-async def open_cache_for_reading(config: Config, opened: AsyncExitStack) -> Storage:
-    """The store export reads: the bucket of cache.s3, or the cache directory (opened
-    without the sweeping and measuring a starting proxy does)."""
-    if config.cache.s3 is not None:
-        return await open_s3_storage(config.cache, Metrics(), opened)
-    blobs = DiskBlobStore.at(config.cache.dir)
-    opened.callback(blobs.close)
-    index = MetadataCache(index_dir(config.cache.dir))
-    opened.callback(index.close)
-    return Storage(blobs, index)
 
 
 def _where(blobs: BlobStore, key: str) -> str:

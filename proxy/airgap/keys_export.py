@@ -19,8 +19,8 @@ from typing import Any
 import pysequoia
 from botocore.exceptions import BotoCoreError, ClientError
 
-from proxy.airgap.export import open_cache_for_reading
 from proxy.airgap.manifest import BundleError
+from proxy.app import open_for_commands
 from proxy.config.settings import Config
 from proxy.core.errors import ProxyError
 from proxy.core.models import ProviderAddress
@@ -75,7 +75,7 @@ async def _read(config: Config) -> HeldKeys:
         finally:
             index.close()
     async with AsyncExitStack() as opened:
-        storage = await open_cache_for_reading(config, opened)
+        storage = await open_for_commands(config, opened)
         return await _collect(storage.index)
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
-from proxy.airgap.export import open_cache_for_reading
+from proxy.app import open_for_commands
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop
 from proxy.config import Config
@@ -41,7 +41,7 @@ async def opened_store(config: Config) -> AsyncIterator[Storage]:
     if config.cache.s3 is None:
         _check_directory(config)
     async with serving(), AsyncExitStack() as opened:
-        yield await open_cache_for_reading(config, opened)
+        yield await open_for_commands(config, opened)
 
 
 def _check_directory(config: Config) -> None:

@@ -292,3 +292,15 @@ async def open_disk_storage(config: CacheConfig, metrics: Metrics,
     opened.callback(index.close)
     return Storage(MeteredBlobStore(blobs, "disk", metrics), MeteredIndex(index, "disk", metrics))
 
+
+
+async def open_disk_for_commands(config: CacheConfig,
+                                 opened: contextlib.AsyncExitStack) -> Storage:
+    """The cache directory's store and index as commands use them beside running servers:
+    without the sweeping, measuring and evicting a starting server does (a `cache list` must
+    delete nothing, and need not walk the whole cache first)."""
+    blobs = DiskBlobStore.at(config.dir)
+    opened.callback(blobs.close)
+    index = MetadataCache(index_dir(config.dir))
+    opened.callback(index.close)
+    return Storage(blobs, index)
