@@ -19,6 +19,7 @@ from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
+from proxy.protocols.oci_distribution import OciProviders
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport, snapshot_directory
 from proxy.store.disk import open_disk_for_commands, open_disk_storage
@@ -37,6 +38,7 @@ from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
+from proxy.web.oci_routes import OCI_KEY, add_oci_routes
 from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
@@ -91,7 +93,7 @@ def create_app(config: Config,
     app[METRICS_KEY] = metrics
     audit = AuditLog(config.server.audit_log)  # opened with the other resources
     app[AUDIT_KEY] = audit
-    add_routes(app, route_guard(metrics, config.auth), audit)
+    add_routes(app, route_guard(metrics, config.auth), audit, more=[add_oci_routes])
     app.on_response_prepare.append(response_prepared(metrics))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -158,6 +160,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror
     app[MODULES_KEY] = modules
+    oci = OciProviders(mirror, packages, stored, fills, cache, config.upstream)
+    opened.push_async_callback(oci.close)
+    app[OCI_KEY] = oci
 
 
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:

@@ -6,7 +6,6 @@ Operations: list_versions_body (index.json), version_document (VERSION.json), ar
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -15,12 +14,7 @@ from proxy.config import UpstreamConfig
 from proxy.core.activity import Activity
 from proxy.core.errors import (
     FilteredOut,
-    InsufficientStorage,
-    IntegrityError,
-    NotFound,
     Offline,
-    ProxyError,
-    UpstreamError,
 )
 from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import Metrics
@@ -32,6 +26,7 @@ from proxy.protocols.held_documents import (
     VersionListAnswers,
     current_for,
 )
+from proxy.protocols.platform_packages import for_each_platform, served_platforms
 from proxy.store.protocol import BlobInfo
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.hashes import zh_hash
@@ -40,7 +35,6 @@ from proxy.verification.packages import VerifiedPackage, VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
 
 log = logging.getLogger(__name__)
-_PLATFORM_FETCH_CONCURRENCY = 8
 _HELD_DOCUMENTS = 4096
 # A document that may still change (some platforms lack their h1; offline, every document,
 # since an import into the shared store may add to it) is taken as current this long: an h1
@@ -136,61 +130,23 @@ class ProviderMirror:
         retried on the next request: nothing about them is cached. A bad signature condemns
         the whole release."""
         entry = await self._packages.version_entry(provider, version)
-        if not entry.platforms:
-            raise UpstreamError(f"upstream lists no platforms for {provider} {version}")
-        platforms = [p for p in entry.platforms if self._filters.platform_allowed(p)]
-        if not platforms:
-            raise FilteredOut(f"{provider} {version} is not served for any platform (filters)")
-        limit = asyncio.Semaphore(_PLATFORM_FETCH_CONCURRENCY)
+        platforms = served_platforms(provider, version, entry.platforms, self._filters)
 
         async def one(platform: Platform) -> VerifiedPackage:
             if self._offline and await self._stored.stored(provider, version, platform) is None:
                 raise Offline(f"{provider} {version} {platform.key} is not in the cache, and "
                               "the proxy is offline")
-            async with limit:
-                package = await self._packages.package(provider, version, platform)
+            package = await self._packages.package(provider, version, platform)
             return await self._stored.with_h1(provider, version, platform, package)
 
-        results = await asyncio.gather(*(one(p) for p in platforms), return_exceptions=True)
+        packages, every_platform = await for_each_platform(provider, version, platforms, one)
         archives: dict[str, Any] = {}
-        failures: list[ProxyError] = []
-        for platform, result in zip(platforms, results, strict=True):
-            if isinstance(result, IntegrityError) and result.kind == "signature":
-                raise result
-            if isinstance(result, BaseException):
-                if not isinstance(result, ProxyError):
-                    log.error("%s %s %s left out", provider, version, platform.key,
-                              exc_info=result)
-                failure = result if isinstance(result, ProxyError) else \
-                    UpstreamError("internal error")
-                # Offline, a platform the cache lacks is the normal case, not news.
-                log.log(logging.DEBUG if isinstance(failure, Offline) else logging.WARNING,
-                        "%s %s %s left out: %s", provider, version, platform.key,
-                        failure.message)
-                failures.append(failure)
-                continue
-            hashes = [zh_hash(result.shasum)]
-            if result.h1:
-                hashes.insert(0, result.h1)
+        for platform, package in packages:
+            hashes = [zh_hash(package.shasum)]
+            if package.h1:
+                hashes.insert(0, package.h1)
             archives[platform.key] = {"url": provider.archive_filename(version, platform),
                                       "hashes": hashes}
-        if not archives:
-            # The answer keeps the failures' kind where they share one: the log line that
-            # explains it to the operator says what to do by kind (web/error_warnings.py).
-            first = failures[0]
-            if all(isinstance(f, Offline) for f in failures):
-                raise Offline(f"no package of {provider} {version}: {first.message}")
-            if all(isinstance(f, NotFound) for f in failures):
-                raise NotFound(f"no package of {provider} {version}: {first.message}")
-            if all(isinstance(f, InsufficientStorage) for f in failures):
-                raise first
-            if isinstance(first, IntegrityError) and all(
-                    isinstance(f, IntegrityError) for f in failures):
-                raise IntegrityError(first.kind, f"no package of {provider} {version} "
-                                                 f"verifies: {first.message}")
-            raise UpstreamError(f"no package of {provider} {version} could be fetched: "
-                                f"{failures[0].message}")
-        every_platform = len(archives) == len(platforms)
         complete = every_platform and all(len(a["hashes"]) == 2 for a in archives.values())
         return {"archives": archives}, complete, every_platform
 

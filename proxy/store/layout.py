@@ -4,8 +4,9 @@ dict entries or object names (see proxy.store.protocol).
 
 Blobs: `archives/HOST/NAMESPACE/TYPE/VERSION/terraform-provider-TYPE_VERSION_OS_ARCH.zip`
 and `modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz`. Index documents: `package/...`,
-`sums/...`, `versions/...`, `module-archive/...`, `module-versions/...`. These are the paths
-the cache directory has always used: a cache written by an earlier release reads as is."""
+`sums/...`, `versions/...`, `module-archive/...`, `module-versions/...`, `oci-manifests/...`,
+`oci-layers/...`. These are the paths the cache directory has always used: a cache written by
+an earlier release reads as is."""
 
 from __future__ import annotations
 
@@ -127,6 +128,18 @@ def module_archive_record(module: ModuleAddress, version: str) -> str:
 def module_version_list_record(module: ModuleAddress) -> str:
     """The index key of a module's version list."""
     return f"module-versions/{module}"
+
+
+def oci_document_record(provider: ProviderAddress, digest_hex: str) -> str:
+    """The index key of an OCI manifest or index served for provider, by its sha256: a
+    digest handed out once stays resolvable (by every replica, after restarts)."""
+    return f"oci-manifests/{provider}/{digest_hex}"
+
+
+def oci_layer_record(provider: ProviderAddress, sha256: str) -> str:
+    """The index key naming the package (version, platform) whose zip is the OCI layer with
+    this sha256 in provider's repository."""
+    return f"oci-layers/{provider}/{sha256}"
 
 
 def record_of_blob(key: str) -> str | None:

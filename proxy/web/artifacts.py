@@ -10,12 +10,16 @@ from dataclasses import dataclass
 from proxy.core import models
 from proxy.core.audit import Artifact
 from proxy.core.errors import BadRequest
+from proxy.protocols.oci_distribution import digest_hex, is_digest
+from proxy.protocols.oci_manifests import EMPTY_CONFIG, version_of
 from proxy.verification.packages import SUMS_ID
 
 _SUMS_FILES = ("SHA256SUMS", "SHA256SUMS.sig")
 _PROVIDER_ROUTES = ("mirror", "provider_versions", "provider_download", "provider_sums")
 _MODULE_ROUTES = ("module_versions", "module")
-ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES)  # routes that can name one
+_OCI_ROUTES = ("oci_tags", "oci_manifest", "oci_blob")
+# The routes that can name one.
+ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES + _OCI_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ def named_artifact(route: str, params: Mapping[str, str]) -> Named | None:
             return _provider(route, params)
         if route in _MODULE_ROUTES:
             return _module(route, params)
+        if route in _OCI_ROUTES:
+            return _oci(route, params)
     except BadRequest:
         return None
     return None
@@ -73,3 +79,21 @@ def _module(route: str, params: Mapping[str, str]) -> Named | None:
     if params["action"] not in ("download", archive):
         return None
     return Named(Artifact.module(module, version), is_file=params["action"] == archive)
+
+
+def _oci(route: str, params: Mapping[str, str]) -> Named | None:
+    """A provider repository's tags, a version's index (by tag), a document by digest, or a
+    package (a blob other than the empty config)."""
+    provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
+                                            params["type"])
+    if route == "oci_tags":
+        return Named(Artifact.provider(provider))
+    if route == "oci_manifest":
+        reference = params["reference"]
+        if is_digest(reference):
+            digest_hex(reference)
+            return Named(Artifact.provider(provider))
+        return Named(Artifact.provider(provider, models.parse_version(version_of(reference))))
+    digest = params["digest"]
+    digest_hex(digest)
+    return Named(Artifact.provider(provider), is_file=digest != EMPTY_CONFIG["digest"])

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from proxy.config.settings import AuthConfig
 from proxy.core.errors import Unauthorized
+from proxy.web.oci_tokens import issued_token_name
 from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
@@ -27,6 +28,9 @@ _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
 # Pages for people: a browser cannot send a bearer token, but asks for a user name and
 # password when challenged with Basic; the password is the token.
 BASIC_ROUTES = frozenset({"status_page", "status_json"})
+# The OCI distribution API: registry clients and pull-through caches log in with a user name
+# and password (the token, as Basic or through the token flow at /v2/token: oci_tokens).
+OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oci_blob"})
 Authenticate = Callable[[web.Request], None]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
@@ -122,6 +126,20 @@ def _token_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfi
     return True
 
 
+def _issued_token_ok(request: web.Request) -> bool:
+    """Whether the request presents a bearer token issued by /v2/token (still valid); notes
+    the name of the token it was issued for."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    name = issued_token_name(request.app[SIGNER_KEY], presented.strip())
+    if name is None:
+        return False
+    if name:
+        request[TOKEN_NAME_KEY] = name
+    return True
+
+
 def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
     """The check each request to route must pass (it raises Unauthorized); None where
     clients need not authenticate: authentication is off, or route is anonymous."""
@@ -129,11 +147,17 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
         return None
     tokens = tuple(t.value.encode() for t in config.tokens)
     sums = route == "provider_sums"
-    basic = route in BASIC_ROUTES
+    oci = route in OCI_ROUTES
+    basic = route in BASIC_ROUTES or oci
 
     def authenticate(request: web.Request) -> None:
         if _token_ok(request, tokens, config, basic):
             return
+        if oci:
+            if route != "oci_token" and _issued_token_ok(request):
+                return
+            raise Unauthorized("credentials are required: log in with any user name and one "
+                               "of the proxy's tokens as the password")
         if sums or request.path.endswith(_ARCHIVE_SUFFIXES):
             signer = request.app[SIGNER_KEY]
             signed_for = request.query.get(SIGNED_FOR)

@@ -6,6 +6,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from functools import update_wrapper
+from typing import Protocol
 from urllib.parse import unquote
 
 from aiohttp import hdrs, web
@@ -107,7 +108,16 @@ def reject_odd_segments(path: str) -> None:
         raise BadRequest("dot segments are not allowed in paths")
 
 
-Guard = Callable[[str, Handler], Handler]
+# How a route's errors are answered, where not with json_error: (request, status, message,
+# the exception) -> the response (the OCI API has its own error shape and challenge).
+ErrorShape = Callable[[web.Request, int, str, Exception], web.Response]
+
+
+class Guard(Protocol):
+    """What route_guard returns: wraps one route's handler."""
+
+    def __call__(self, route: str, handler: Handler,
+                 shape: ErrorShape | None = None) -> Handler: ...
 
 
 def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
@@ -119,7 +129,7 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
     that names an artifact is logged with its reason and what to do (ErrorWarnings)."""
     warnings = ErrorWarnings()
 
-    def guard(route: str, handler: Handler) -> Handler:
+    def guard(route: str, handler: Handler, shape: ErrorShape | None = None) -> Handler:
         # Paths no route serves are answered (404, 405) without asking for credentials.
         authenticate = None if route == UNMATCHED else route_authentication(auth, route)
         count = _answer_counter(metrics, route)
@@ -136,7 +146,7 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
             except Exception as exc:
                 prepared = request.get(PREPARED_RESPONSE_KEY)
                 if prepared is None:
-                    response = _error_response(request, route, exc, warnings)
+                    response = _error_response(request, route, exc, warnings, shape)
                 else:
                     explained = isinstance(exc, ProxyError) and warnings.cut_off(
                         route, request.match_info, exc)
@@ -166,9 +176,11 @@ def _answer_counter(metrics: Metrics, route: str) -> Callable[[int], None]:
 
 
 def _error_response(request: web.Request, route: str, exc: Exception,
-                    warnings: ErrorWarnings) -> web.Response:
+                    warnings: ErrorWarnings, shape: ErrorShape | None) -> web.Response:
     if isinstance(exc, ProxyError):
         warnings.refused(route, request.match_info, request.path, exc)
+        if shape is not None:
+            return shape(request, exc.status, exc.message, exc)
         response = json_error(exc.status, exc.message)
         if exc.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'
@@ -179,9 +191,11 @@ def _error_response(request: web.Request, route: str, exc: Exception,
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc
-        response = json_error(exc.status, exc.reason)
+        response = json_error(exc.status, exc.reason) if shape is None else \
+            shape(request, exc.status, exc.reason, exc)
         if "Allow" in exc.headers:  # a 405 must say what is allowed
             response.headers["Allow"] = exc.headers["Allow"]
         return response
     log.error("unexpected error on %s %s", request.method, request.path, exc_info=exc)
-    return json_error(500, "internal error")
+    return json_error(500, "internal error") if shape is None else \
+        shape(request, 500, "internal error", exc)

@@ -9,7 +9,7 @@ import json
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,19 +88,20 @@ _FIND_ATTEMPTS = 3
 
 async def send_file(request: web.Request,
                     find: Callable[[], Awaitable[BlobInfo | GrowingFile[BlobInfo]]],
-                    content_type: str, store: BlobStore,
-                    served: Counter) -> web.StreamResponse:
+                    content_type: str, store: BlobStore, served: Counter,
+                    headers: Mapping[str, str] | None = None) -> web.StreamResponse:
     """What `find` returns: a stored blob (by sendfile when it is a local file), or a
     download under way as its bytes arrive. Either is sent here, inside the error middleware:
     a failure before the headers becomes a JSON error, one after them cuts the connection
     (see `abort_after_headers`). A stored blob is opened, and so kept from eviction, before
-    anything is sent."""
+    anything is sent. headers: more headers for the answer."""
+    answer_headers = {"Content-Type": content_type, **(headers or {})}
     for _attempt in range(_FIND_ATTEMPTS):
         source = await find()
         request[CACHE_RESULT_KEY] = "hit" if isinstance(source, BlobInfo) else "miss"
         if isinstance(source, GrowingFile):
             if request.method != "HEAD":
-                return await _stream(request, source, content_type, served)
+                return await _stream(request, source, answer_headers, served)
             source = await source.wait_done()
         elif request.method == "GET" and (url := await store.direct_url(source.key)):
             # The operator asked for it: the client fetches the stored object itself.
@@ -111,10 +112,9 @@ async def send_file(request: web.Request,
                      source.key.rpartition("/")[2])
             continue
         try:
-            headers = {"Content-Type": content_type}
             local = blob.local_path
-            sent: web.StreamResponse = _BlobResponse(blob, served, headers) if local is None \
-                else _OpenFileResponse(local, served, headers)
+            sent: web.StreamResponse = _BlobResponse(blob, served, answer_headers) \
+                if local is None else _OpenFileResponse(local, served, answer_headers)
             await sent.prepare(request)
         finally:
             await quick(blob.close)
@@ -123,9 +123,9 @@ async def send_file(request: web.Request,
                       "is too small for its load); try again")
 
 
-async def _stream(request: web.Request, source: GrowingFile[BlobInfo], content_type: str,
-                  served: Counter) -> web.StreamResponse:
-    streamed = web.StreamResponse(headers={"Content-Type": content_type})
+async def _stream(request: web.Request, source: GrowingFile[BlobInfo],
+                  headers: dict[str, str], served: Counter) -> web.StreamResponse:
+    streamed = web.StreamResponse(headers=headers)
     if source.size is not None:
         streamed.content_length = source.size
     await streamed.prepare(request)

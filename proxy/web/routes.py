@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +31,7 @@ from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.audit_requests import audited
 from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
-from proxy.web.middleware import UNMATCHED, Guard
+from proxy.web.middleware import UNMATCHED, ErrorShape, Guard
 from proxy.web.responses import json_body_response, json_response, send_file
 from proxy.web.status_page import CONTENT_SECURITY_POLICY, render_status_page
 
@@ -50,8 +50,10 @@ STATUS_KEY = web.AppKey("status_report", StatusReport)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
+# What adds one GET (and HEAD) route: path, handler, name, and how its errors are answered.
+RouteAdder = Callable[[str, Handler, str, ErrorShape | None], None]
 # The routes whose answers stream a file: a failure mid-body cuts them off (aborted_responses).
-FILE_ROUTES = ("mirror", "module")
+FILE_ROUTES = ("mirror", "module", "oci_blob")
 
 
 async def healthz(_request: web.Request) -> web.Response:
@@ -285,14 +287,15 @@ async def unmatched(request: web.Request) -> web.StreamResponse:
     raise web.HTTPNotFound()
 
 
-def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT) -> None:
+def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
+               more: Sequence[Callable[[RouteAdder], None]] = ()) -> None:
     """Every route the proxy serves, each handler wrapped by guard once (see route_guard);
     those that name an artifact write audit lines (inside the guard: after authentication,
-    before errors become answers)."""
+    before errors become answers). more: functions that add the routes of other APIs."""
     app[BODIES_KEY] = Derived(_HELD_BODIES)
 
-    def get(path: str, handler: Handler, name: str) -> None:
-        app.router.add_get(path, guard(name, audited(name, handler, audit)), name=name)
+    def get(path: str, handler: Handler, name: str, shape: ErrorShape | None = None) -> None:
+        app.router.add_get(path, guard(name, audited(name, handler, audit), shape), name=name)
 
     get("/healthz", healthz, "healthz")
     get("/readyz", readyz, "readyz")
@@ -308,6 +311,8 @@ def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT) -
     module = MODULES_PREFIX + "{hostname}/{namespace}/{name}/{system}"
     get(module + "/versions", module_versions, "module_versions")
     get(module + "/{version}/{action}", module_version_file, "module")
+    for add in more:
+        add(get)
     # Last, and indexed under "/": the router tries it only after every route above, so
     # unmatched paths get the guard's odd-path check, JSON answer and count too. Any
     # character, a decoded newline as well: [\s\S].

@@ -1,0 +1,152 @@
+"""HTTP handlers of the OCI distribution API (read-only): `/v2/`, the token endpoint, and
+the provider repositories `/v2/providers/HOST/NAMESPACE/TYPE/...`
+(https://github.com/opencontainers/distribution-spec/blob/main/spec.md)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from urllib.parse import quote
+
+from aiohttp import hdrs, web
+
+from proxy.core.errors import BadRequest
+from proxy.core.models import ProviderAddress
+from proxy.core.redaction import mask_secrets
+from proxy.protocols.oci_distribution import (
+    BlobUnknown,
+    DigestInvalid,
+    ManifestUnknown,
+    OciProviders,
+)
+from proxy.protocols.oci_manifests import EMPTY_CONFIG
+from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
+from proxy.web.oci_tokens import issue_token
+from proxy.web.responses import send_file
+from proxy.web.routes import ARCHIVES_KEY, METRICS_KEY, RouteAdder, public_base
+
+OCI_KEY = web.AppKey("oci_providers", OciProviders)
+REPOSITORY = "/v2/providers/{hostname}/{namespace}/{type}"
+# Sent with every /v2 answer: Docker clients and Distribution check it on `GET /v2/`.
+API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
+SERVICE = "tf-registry-proxy"
+_BLOB_TYPE = "application/octet-stream"
+_MAX_PAGE = 10_000
+
+
+def add_oci_routes(get: RouteAdder) -> None:
+    """The OCI routes, their errors in the OCI shape."""
+    get("/v2/", base, "oci_base", oci_error)
+    get("/v2/token", token, "oci_token", oci_error)
+    get(REPOSITORY + "/tags/list", tags_list, "oci_tags", oci_error)
+    get(REPOSITORY + "/manifests/{reference}", manifest, "oci_manifest", oci_error)
+    get(REPOSITORY + "/blobs/{digest}", blob, "oci_blob", oci_error)
+
+
+async def base(_request: web.Request) -> web.Response:
+    """`GET /v2/`: this is a registry (and, with auth on, these credentials are good)."""
+    return web.json_response({}, headers=API_VERSION)
+
+
+async def token(request: web.Request) -> web.Response:
+    """The token endpoint a Bearer challenge names: a short-lived token for the credentials
+    given (auth off: none needed, an anonymous one)."""
+    signer = request.app.get(SIGNER_KEY)
+    if signer is None:
+        issued, expires_in = "anonymous", 3600
+    else:
+        issued, expires_in = issue_token(signer, request.get(TOKEN_NAME_KEY))
+    now = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return web.json_response({"token": issued, "access_token": issued,
+                              "expires_in": expires_in, "issued_at": now},
+                             headers={**API_VERSION, "Cache-Control": "no-store"})
+
+
+def _provider(request: web.Request) -> ProviderAddress:
+    info = request.match_info
+    return ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+
+
+async def tags_list(request: web.Request) -> web.Response:
+    """`tags/list`, paginated by `n` and `last` with a `Link` to the next page."""
+    provider = _provider(request)
+    tags = await request.app[OCI_KEY].tags(provider)
+    last = request.query.get("last")
+    if last:
+        tags = [tag for tag in tags if tag > last]
+    headers = dict(API_VERSION)
+    wanted = request.query.get("n")
+    if wanted is not None:
+        if not wanted.isdigit() or len(wanted) > 6:
+            raise BadRequest(f"n must be a number of tags, not {wanted[:20]!r}")
+        count = min(int(wanted), _MAX_PAGE)
+        if len(tags) > count > 0:
+            # oras-go follows the first <...> whatever its rel; others follow rel="next".
+            headers["Link"] = (f'<{request.path}?n={count}&last={quote(tags[count - 1])}>; '
+                               'rel="next"')
+        tags = tags[:count]
+    return web.json_response({"name": f"providers/{provider}", "tags": tags},
+                             headers=headers)
+
+
+async def manifest(request: web.Request) -> web.Response:
+    """`manifests/<tag|digest>` (GET and HEAD): the document's exact bytes, its media type
+    and digest."""
+    document = await request.app[OCI_KEY].manifest(_provider(request),
+                                                   request.match_info["reference"])
+    return web.Response(body=document.body, headers={
+        **API_VERSION, hdrs.CONTENT_TYPE: document.media_type,
+        "Docker-Content-Digest": document.digest, hdrs.ETAG: f'"{document.digest}"'})
+
+
+async def blob(request: web.Request) -> web.StreamResponse:
+    """`blobs/<digest>` (GET and HEAD, Range): the empty config, or the verified zip."""
+    provider = _provider(request)
+    digest = request.match_info["digest"]
+    oci = request.app[OCI_KEY]
+    headers = {**API_VERSION, "Docker-Content-Digest": digest}
+    if digest == EMPTY_CONFIG["digest"]:
+        return web.Response(body=oci.empty_config(provider), content_type=_BLOB_TYPE,
+                            headers=headers)
+    app = request.app
+    return await send_file(request, lambda: oci.blob(provider, digest), _BLOB_TYPE,
+                           app[ARCHIVES_KEY], app[METRICS_KEY].served_bytes.labels("package"),
+                           headers)
+
+
+def oci_error(request: web.Request, status: int, message: str,
+              exc: Exception) -> web.Response:
+    """An error in the OCI shape, `{"errors": [{"code", "message", "detail"}]}`; a 401
+    challenges for a bearer token from our token endpoint."""
+    body = {"errors": [{"code": _code(request, status, exc), "message": mask_secrets(message),
+                        "detail": None}]}
+    response = web.Response(status=status, body=json.dumps(body).encode(),
+                            content_type="application/json", headers=API_VERSION)
+    if status == 401:
+        realm = f"{public_base(request)}v2/token"
+        response.headers[hdrs.WWW_AUTHENTICATE] = f'Bearer realm="{realm}",service="{SERVICE}"'
+    if isinstance(exc, web.HTTPException) and hdrs.ALLOW in exc.headers:
+        response.headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
+    return response
+
+
+_BY_STATUS = {401: "UNAUTHORIZED", 403: "DENIED", 405: "UNSUPPORTED", 429: "TOOMANYREQUESTS",
+              502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"}
+
+
+def _code(request: web.Request, status: int, exc: Exception) -> str:
+    """The OCI error code for an answer of status to request."""
+    if isinstance(exc, DigestInvalid):
+        return "DIGEST_INVALID"
+    if isinstance(exc, ManifestUnknown):
+        return "MANIFEST_UNKNOWN"
+    if isinstance(exc, BlobUnknown):
+        return "BLOB_UNKNOWN"
+    if status == 404:
+        route = request.match_info.route.name
+        return {"oci_manifest": "MANIFEST_UNKNOWN", "oci_blob": "BLOB_UNKNOWN"}.get(
+            route or "", "NAME_UNKNOWN")
+    if status == 400:
+        return "NAME_INVALID"
+    return _BY_STATUS.get(status, "UNKNOWN")
+

@@ -1,0 +1,44 @@
+"""Bearer tokens of the OCI token flow (https://distribution.github.io/distribution/spec/auth/token/):
+a client challenged on /v2 asks /v2/token with its credentials (a proxy token as the Basic
+password) and gets a short-lived token, signed like archive URLs (the same key and TTL), that
+names the token it was issued for. Pure: no I/O."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from urllib.parse import parse_qs
+
+from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
+
+# What the signature covers in place of a path: these tokens open no archive URL.
+_SIGNED_PATH = "/v2/token"
+_PREFIX = "tfproxy."
+
+
+def issue_token(signer: UrlSigner, token_name: str | None) -> tuple[str, int]:
+    """A bearer token for token_name (the credentials the client proved) and its lifetime
+    in seconds."""
+    expires = signer.expiry()
+    query = signer.query(_SIGNED_PATH, expires=expires, signed_for=token_name)
+    encoded = base64.urlsafe_b64encode(query.encode()).decode().rstrip("=")
+    return _PREFIX + encoded, max(0, expires - int(time.time()))
+
+
+def issued_token_name(signer: UrlSigner, presented: str) -> str | None:
+    """The name of the token an issued bearer token was given for, if it is one of ours and
+    has not expired; None otherwise. An issued token for an unnamed token names ''."""
+    if not presented.startswith(_PREFIX) or len(presented) > 1024:
+        return None
+    encoded = presented[len(_PREFIX):]
+    try:
+        query = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    fields = parse_qs(query, keep_blank_values=True)
+    expires, signature = fields.get(EXPIRES, [None])[0], fields.get(SIGNATURE, [None])[0]
+    signed_for = fields.get(SIGNED_FOR, [None])[0]
+    if not signer.valid(_SIGNED_PATH, expires, signature, signed_for=signed_for):
+        return None
+    return signed_for or ""
