@@ -255,7 +255,7 @@ def test_probes_and_ports_are_the_ones_the_proxy_serves(tmp_path: Path) -> None:
     assert config.server.host in ("0.0.0.0", "::")  # the kubelet probes the pod's address
 
     app = web.Application()
-    add_routes(app, lambda _route, handler: handler)  # the paths are what matters here
+    add_routes(app, lambda _route, handler, _shape=None: handler)  # the paths are what matters here
     routes = {name: app.router[name].canonical for name in ("healthz", "readyz", "metrics")}
     probes = {kind: container[kind]["httpGet"]
               for kind in ("startupProbe", "livenessProbe", "readinessProbe")}

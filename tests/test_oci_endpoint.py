@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import load_config
 from tests.conftest import AppClient
+from tests.support.audit import eventually
 from tests.support.fake_registry import FakeRegistry
 from tests.support.mirror_paths import archive_path
 
@@ -222,3 +223,31 @@ async def test_without_auth_v2_answers_anonymously(client: TestClient) -> None:
     assert response.status == 200
     assert await response.json() == {}
     assert (await client.get("/v2/token")).status == 200
+
+
+async def test_a_blob_served_is_audited_as_its_package(make: AppClient, registry: FakeRegistry,
+                                                        tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    client = await make(server_audit_log=str(log))
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    layer = f"sha256:{release.sha256('linux_amd64')}"
+    await _index(client)
+    response = await client.get(f"{REPO}/blobs/{layer}")
+    assert await response.read() == release.zips["linux_amd64"]
+    [served] = await eventually(log, "served")
+    assert (served["type"], served["version"], served["os"], served["arch"]) == (
+        "null", "3.2.1", "linux", "amd64")
+    assert served["sha256"] == release.sha256("linux_amd64")
+    assert served["bytes"] == len(release.zips["linux_amd64"])
+
+
+async def test_hostile_references_get_oci_errors_and_reach_no_upstream(
+        client: TestClient, registry: FakeRegistry) -> None:
+    for reference in ("..%2f..%2fetc", "3.2.1%00", "sha256:" + "g" * 64, "x" * 300,
+                      "3.2.1;rm", "sha256:" + "A" * 64, "%E2%80%AE3.2.1"):
+        response = await client.get(f"{REPO}/manifests/{reference}")
+        assert 400 <= response.status < 500, reference
+        assert (await response.json())["errors"], reference
+    huge = await client.get(f"{REPO}/tags/list?n=99999999999")
+    assert huge.status == 400
+    assert not registry.archive_requests()

@@ -65,6 +65,9 @@ class ServedFacts:
 
     sha256: str | None = None
     key_id: str | None = None
+    # The archive whole, where the request's path names it only in part (an OCI blob is
+    # named by its digest).
+    artifact: Artifact | None = None
 
 
 # Set per request by the web layer only while the audit log is on: the service reads the

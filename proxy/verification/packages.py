@@ -17,7 +17,7 @@ from typing import Any
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.activity import Activity
-from proxy.core.audit import SERVED_FACTS, key_id
+from proxy.core.audit import SERVED_FACTS, Artifact, key_id
 from proxy.core.errors import IntegrityError, IntegrityKind, UnknownVersion
 from proxy.core.executors import quick
 from proxy.core.metrics import Metrics
@@ -261,6 +261,7 @@ class VerifiedPackages:
         if package is None:
             return
         facts.sha256 = package.shasum
+        facts.artifact = Artifact.provider(provider, version, platform)
         facts.key_id = key_id(await self.signer(provider, version, package.sums_id))
 
     async def signed_sums(self, provider: ProviderAddress, version: str,

@@ -56,8 +56,8 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         if request.method == "GET" and response.status in _SENT:
             named = artifact(request)
             if named is not None and named.is_file:
-                audit.record("served", named.artifact, requester=requester, status=response.status,
-                             bytes=response.content_length,
+                audit.record("served", facts.artifact or named.artifact, requester=requester,
+                             status=response.status, bytes=response.content_length,
                              cache=request.get(CACHE_RESULT_KEY), sha256=facts.sha256,
                              key_id=facts.key_id)
         return response
