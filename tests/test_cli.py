@@ -14,13 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from aiohttp.test_utils import TestClient
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.cli.client_config import render_client_config
-from proxy.config import load_config
+from proxy.config import Config, load_config
 from proxy.tls.certificates import TlsStateError, ensure_certificate
 from tests.support.cli_config_hcl import parse_cli_config
 from tests.support.process_output import wait_for_line
@@ -381,6 +383,21 @@ def test_client_config_oci_mode_names_the_template_and_every_served_host(
         for host in config.upstream.all_hosts}
     assert f" {tmp_path}/ca.pem > ~/tfproxy-ca.pem" in text
     assert text.startswith("# OpenTofu CLI configuration")
+
+
+async def test_client_config_oci_template_names_the_endpoints_repositories(
+        client: TestClient, proxy_config: Config) -> None:  # type: ignore[type-arg]
+    text = render_client_config(proxy_config, None, "oci")
+    mirror = oci_mirror_of(parse_cli_config(text))
+    assert "registry.terraform.io/*/*" in mirror["include"]
+    # OpenTofu fills in the template, then splits the registry from the repository name.
+    address = (mirror["repository_template"].replace("${hostname}", "registry.terraform.io")
+               .replace("${namespace}", "hashicorp").replace("${type}", "null"))
+    registry, _, repository = address.partition("/")
+    assert registry == urlsplit(proxy_config.server.base_url).netloc
+    response = await client.get(f"/v2/{repository}/tags/list")
+    assert response.status == 200, await response.text()
+    assert await response.json() == {"name": repository, "tags": ["3.1.0", "3.2.1"]}
 
 
 def test_client_config_oci_mode_with_auth_adds_oci_credentials_for_the_proxy(
