@@ -13,14 +13,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from aiohttp.test_utils import TestClient
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from proxy.cli.client_config import render_client_config
-from proxy.config import load_config
+from proxy.config import Config, load_config
 from proxy.tls.certificates import TlsStateError, ensure_certificate
+from tests.support.cli_config_hcl import parse_cli_config
 from tests.support.process_output import wait_for_line
 from tests.support.proxy_process import free_port
 
@@ -346,3 +350,104 @@ def test_client_config_registry_mode() -> None:
     for host in ("registry.terraform.io", "registry.opentofu.org"):
         assert (f'    "providers.v1" = "https://127.0.0.1:8443/providers/{host}/"\n'
                 f'    "modules.v1" = "https://127.0.0.1:8443/modules/{host}/"') in text
+
+
+def oci_mirror_of(parsed: dict[str, Any]) -> dict[str, Any]:
+    """The one oci_mirror block, after checking it is the only installation method."""
+    (installation,) = parsed["provider_installation"]
+    assert set(installation) == {"oci_mirror"}, installation  # no direct, no network_mirror
+    (mirror,) = installation["oci_mirror"]
+    assert isinstance(mirror, dict)
+    return mirror
+
+
+def test_client_config_oci_mode_names_the_template_and_every_served_host(
+        tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[server]\npublic_url = "https://mirror.example.com"\n'
+                           '[upstream]\nallowed_hosts = ["registry.opentofu.org", '
+                           '"registry.terraform.io", "tf.corp.example"]\n')
+    config = load_config(config_file, environ={})
+    text = render_client_config(config, tmp_path / "ca.pem", "oci")
+    parsed = parse_cli_config(text)
+    mirror = oci_mirror_of(parsed)
+    assert mirror["repository_template"] == (
+        "mirror.example.com/providers/${hostname}/${namespace}/${type}")
+    assert len(config.upstream.all_hosts) == 3
+    assert sorted(mirror["include"]) == sorted(f"{h}/*/*" for h in config.upstream.all_hosts)
+    assert "oci_credentials" not in parsed and "credentials" not in parsed
+    # Modules still go through the proxy, by host blocks with modules.v1 only.
+    hosts = {name: block for item in parsed["host"] for name, block in item.items()}
+    assert hosts == {host: {"services": {
+        "modules.v1": f"https://mirror.example.com/modules/{host}/"}}
+        for host in config.upstream.all_hosts}
+    assert f" {tmp_path}/ca.pem > ~/tfproxy-ca.pem" in text
+    assert text.startswith("# OpenTofu CLI configuration")
+
+
+async def test_client_config_oci_template_names_the_endpoints_repositories(
+        client: TestClient, proxy_config: Config) -> None:  # type: ignore[type-arg]
+    text = render_client_config(proxy_config, None, "oci")
+    mirror = oci_mirror_of(parse_cli_config(text))
+    assert "registry.terraform.io/*/*" in mirror["include"]
+    # OpenTofu fills in the template, then splits the registry from the repository name.
+    address = (mirror["repository_template"].replace("${hostname}", "registry.terraform.io")
+               .replace("${namespace}", "hashicorp").replace("${type}", "null"))
+    registry, _, repository = address.partition("/")
+    assert registry == urlsplit(proxy_config.server.base_url).netloc
+    response = await client.get(f"/v2/{repository}/tags/list")
+    assert response.status == 200, await response.text()
+    assert await response.json() == {"name": repository, "tags": ["3.1.0", "3.2.1"]}
+
+
+def test_client_config_oci_mode_with_auth_adds_oci_credentials_for_the_proxy(
+        tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[auth]\ntokens = ["abcdefghijklmnopqrstuvwxyz"]\n')
+    text = render_client_config(load_config(config_file, environ={}), None, "oci")
+    parsed = parse_cli_config(text)
+    assert parsed["oci_credentials"] == [{"127.0.0.1:8443": {
+        "username": "tofu", "password": "REPLACE-WITH-YOUR-TOKEN"}}]
+    assert oci_mirror_of(parsed)["repository_template"].startswith("127.0.0.1:8443/providers/")
+    # Registry modules through host blocks still need the token under every name.
+    names = {name for item in parsed["credentials"] for name in item}
+    assert names == {"127.0.0.1:8443", "registry.terraform.io", "registry.opentofu.org"}
+    assert "abcdefghijklmnopqrstuvwxyz" not in text
+
+
+def test_client_config_oci_mode_leaves_out_hosts_with_a_port(tmp_path: Path) -> None:
+    # An OCI repository name cannot hold ':', so such a host cannot be in the template.
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[upstream]\nallowed_hosts = ["registry.opentofu.org", '
+                           '"tf.corp.example:5000"]\n')
+    text = render_client_config(load_config(config_file, environ={}), None, "oci")
+    assert oci_mirror_of(parse_cli_config(text))["include"] == ["registry.opentofu.org/*/*"]
+    assert "# use --mode mirror or registry for: tf.corp.example:5000" in text
+    # With no host left, an empty include would mean every provider: refused, clearly.
+    config_file.write_text('[upstream]\nallowed_hosts = ["tf.corp.example:5000"]\n')
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path)}
+    result = run_cli("client-config", "--mode", "oci", "--config", str(config_file), env=env)
+    assert result.returncode == 2
+    assert "no upstream host can be named in an OCI repository" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_client_config_oci_mode_from_the_command_line(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path)}
+    result = run_cli("client-config", "--mode", "oci", env=env)
+    assert result.returncode == 0, result.stderr
+    mirror = oci_mirror_of(parse_cli_config(result.stdout))
+    assert mirror["repository_template"] == (
+        "127.0.0.1:8443/providers/${hostname}/${namespace}/${type}")
+
+
+def test_client_config_other_modes_parse_as_hcl(tmp_path: Path) -> None:
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('[auth]\ntokens = ["abcdefghijklmnopqrstuvwxyz"]\n')
+    for config in (load_config(None, environ={}), load_config(config_file, environ={})):
+        mirror = parse_cli_config(render_client_config(config, None, "mirror"))
+        assert mirror["provider_installation"] == [{"network_mirror": [
+            {"url": "https://127.0.0.1:8443/mirror/"}]}]
+        registry = parse_cli_config(render_client_config(config, None, "registry"))
+        assert "provider_installation" not in registry
+        assert len(registry["host"]) == len(config.upstream.all_hosts)

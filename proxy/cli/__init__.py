@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from proxy.cli.arguments import build_parser
 from proxy.cli.cache import cache_command
-from proxy.cli.client_config import render_client_config
+from proxy.cli.client_config import ClientConfigError, render_client_config
 from proxy.cli.healthcheck import healthcheck
 from proxy.cli.keys import keygen, keys_export, tls
 from proxy.cli.logs import configure_logging
@@ -35,8 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  - {mask_secrets(problem)}", file=sys.stderr)
         return 2
     if args.command == "client-config":
-        sys.stdout.write(render_client_config(config, generated_ca_path(config.server),
-                                              args.mode))
+        try:
+            text = render_client_config(config, generated_ca_path(config.server), args.mode)
+        except ClientConfigError as exc:
+            print(f"tf-registry-proxy client-config: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(text)
         return 0
     if args.command == "tls":
         return tls(config, args.action)

@@ -8,6 +8,7 @@ from pathlib import Path
 from proxy import __version__
 from proxy.airgap.signing import PUBLIC_KEY_FILE, SECRET_KEY_FILE
 from proxy.cli.cache import add_cache_commands
+from proxy.cli.client_config import MODES as CLIENT_CONFIG_MODES
 from proxy.cli.prune import add_prune_options
 
 _EPILOGS = {
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
             add_prune_options(command)
         if name == "client-config":
             command.add_argument(
-                "--mode", choices=("mirror", "registry"), default="mirror",
+                "--mode", choices=CLIENT_CONFIG_MODES, default="mirror",
                 help="mirror: providers through the network mirror (default); registry: "
-                     "through host blocks, so lock files match a direct install")
+                     "through host blocks, so lock files match a direct install; oci: "
+                     "OpenTofu's oci_mirror, from the proxy's OCI endpoint")
     return parser

@@ -10,18 +10,34 @@ from proxy.config import Config
 MIRROR_PATH = "mirror/"
 MODULES_PATH = "modules/"
 PROVIDERS_PATH = "providers/"
+# The OCI repository of a provider: /v2/providers/HOST/NAMESPACE/TYPE on the proxy.
+OCI_REPOSITORY_TEMPLATE = "providers/${hostname}/${namespace}/${type}"
+MODES = ("mirror", "registry", "oci")
+
+
+class ClientConfigError(ValueError):
+    """The configuration cannot be expressed in the requested mode."""
 
 
 def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirror") -> str:
     """A ready-to-use CLI config. "mirror": every provider installs through the proxy's
     network mirror, and a `host` block per upstream host sends registry modules through the
     proxy too. "registry": `host` blocks only, for providers and modules, so that clients
-    verify signatures themselves and lock files match a direct install."""
+    verify signatures themselves and lock files match a direct install. "oci": OpenTofu's
+    `oci_mirror` for providers, `host` blocks for modules."""
     base = config.server.base_url
-    lines = [
-        f"# Terraform / OpenTofu CLI configuration for tf-registry-proxy at {base}",
-        "# Save it as ~/.terraformrc (OpenTofu: ~/.tofurc) or point TF_CLI_CONFIG_FILE at it.",
-    ]
+    proxy_host = urlsplit(base).netloc
+    if mode == "oci":
+        lines = [
+            f"# OpenTofu CLI configuration for tf-registry-proxy at {base}",
+            "# Save it as ~/.tofurc or point TF_CLI_CONFIG_FILE at it (oci_mirror needs",
+            "# OpenTofu 1.10 or later; Terraform does not read it).",
+        ]
+    else:
+        lines = [
+            f"# Terraform / OpenTofu CLI configuration for tf-registry-proxy at {base}",
+            "# Save it as ~/.terraformrc (OpenTofu: ~/.tofurc) or point TF_CLI_CONFIG_FILE at it.",
+        ]
     if ca_file is not None:
         lines += [
             "# The proxy's certificate comes from its own CA (created by the first `serve`);",
@@ -43,13 +59,26 @@ def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirr
             "  }",
             "}",
         ]
+    if mode == "oci":
+        lines += _oci_mirror_lines(config, proxy_host)
     if config.auth.enabled:
         # Through a `host` block, clients send the token they hold for the original name,
         # so the proxy's token goes under every name that leads to it.
         lines += ["", "# The proxy requires a token: put one of its auth.tokens in each block",
                   "# (or set the TF_TOKEN_ variables for these host names)."]
-        for host in [urlsplit(base).netloc, *sorted(config.upstream.all_hosts)]:
+        for host in [proxy_host, *sorted(config.upstream.all_hosts)]:
             lines += [f'credentials "{host}" {{', '  token = "REPLACE-WITH-YOUR-TOKEN"', "}"]
+    if mode == "oci" and config.auth.enabled:
+        lines += [
+            "",
+            "# OCI requests authenticate separately: the proxy's token is the password (any",
+            "# user name), exchanged for a Bearer token at /v2/token. `docker login` or",
+            "# `oras login` to this host with the token as password works as well.",
+            f'oci_credentials "{proxy_host}" {{',
+            '  username = "tofu"',
+            '  password = "REPLACE-WITH-YOUR-TOKEN"',
+            "}",
+        ]
     for host in sorted(config.upstream.all_hosts):
         services = [f'    "modules.v1" = "{base}{MODULES_PATH}{host}/"']
         what = "Registry modules"
@@ -66,3 +95,37 @@ def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirr
             "}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _oci_mirror_lines(config: Config, proxy_host: str) -> list[str]:
+    """The `provider_installation` block with one `oci_mirror` for the served hosts."""
+    # An OCI repository name has no ':', so a registry host with a port cannot be part of
+    # one: such hosts are left out (their providers then fail to install, visibly).
+    nameable = sorted(h for h in config.upstream.all_hosts if ":" not in h)
+    unnameable = sorted(h for h in config.upstream.all_hosts if ":" in h)
+    if not nameable:
+        # An empty `include` would mean "every provider" to OpenTofu.
+        raise ClientConfigError(
+            "--mode oci: no upstream host can be named in an OCI repository path (a host "
+            "with a port cannot); use --mode mirror or --mode registry")
+    include = ", ".join(f'"{host}/*/*"' for host in nameable)
+    lines = [
+        "",
+        "# Providers from these hosts install from the proxy's OCI endpoint",
+        "# (/v2/providers/HOST/NAMESPACE/TYPE). There is deliberately no `direct` block: a",
+        "# provider from any other host matches no installation method, so `tofu init` fails",
+        "# (\"not found in any of the search locations\") instead of fetching it from the",
+        "# internet.",
+    ]
+    if unnameable:
+        lines += ["# Not reachable over OCI (a port cannot be part of a repository name), so",
+                  f"# use --mode mirror or registry for: {', '.join(unnameable)}"]
+    return [
+        *lines,
+        "provider_installation {",
+        "  oci_mirror {",
+        f'    repository_template = "{proxy_host}/{OCI_REPOSITORY_TEMPLATE}"',
+        f"    include             = [{include}]",
+        "  }",
+        "}",
+    ]
