@@ -4,7 +4,6 @@ every second, with the shipped alert rules loaded; queried through its HTTP API.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -17,6 +16,7 @@ from typing import Any
 import yaml
 
 from tests.support.proxy_process import free_port
+from tests.support.tools import prometheus_tool
 
 OPS = Path(__file__).parent.parent.parent / "ops"
 JOB = "tf-registry-proxy"
@@ -54,8 +54,7 @@ class Prometheus:
     tf-registry-proxy, its data in work."""
 
     def __init__(self, work: Path, target_port: int, ca_file: Path) -> None:
-        binary = shutil.which("prometheus")
-        assert binary, "prometheus (Debian package prometheus) is needed: see README"
+        binary = prometheus_tool("prometheus")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         work.mkdir(parents=True, exist_ok=True)
