@@ -194,13 +194,15 @@ async def test_errors_have_the_oci_shape_and_codes(client: TestClient) -> None:
 
 async def test_with_auth_a_401_challenges_for_the_token_flow(make: AppClient) -> None:
     client = await make(extra=f'[auth]\ntokens = [{{ name = "ci", token = "{TOKEN}" }}]\n')
-    for path in ("/v2/", f"{REPO}/tags/list", f"{REPO}/manifests/3.2.1"):
+    scope = ',scope="repository:providers/registry.terraform.io/hashicorp/null:pull"'
+    for path, asked in (("/v2/", ""), (f"{REPO}/tags/list", scope),
+                        (f"{REPO}/manifests/3.2.1", scope)):
         refused = await client.get(path)
         assert refused.status == 401
         assert await _oci_error(refused) == "UNAUTHORIZED"
         challenge = refused.headers["WWW-Authenticate"]
         assert challenge.startswith('Bearer realm="https://') and \
-            challenge.endswith('/v2/token",service="tf-registry-proxy"')
+            challenge.endswith(f'/v2/token",service="tf-registry-proxy"{asked}'), challenge
     basic = "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()
     assert (await client.get("/v2/token")).status == 401
     wrong = "Basic " + base64.b64encode(b"anyone:not-the-token").decode()

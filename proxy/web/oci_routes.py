@@ -5,6 +5,7 @@ the provider repositories `/v2/providers/HOST/NAMESPACE/TYPE/...`
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from urllib.parse import quote
 
@@ -32,6 +33,9 @@ API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
 SERVICE = "tf-registry-proxy"
 _BLOB_TYPE = "application/octet-stream"
 _MAX_PAGE = 10_000
+# A repository name as the distribution spec allows it: anything else stays out of a header.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPOSITORY_NAME = re.compile(f"{_COMPONENT}(?:/{_COMPONENT})*")
 
 
 def add_oci_routes(get: RouteAdder) -> None:
@@ -123,11 +127,22 @@ def oci_error(request: web.Request, status: int, message: str,
     response = web.Response(status=status, body=json.dumps(body).encode(),
                             content_type="application/json", headers=API_VERSION)
     if status == 401:
-        realm = f"{public_base(request)}v2/token"
-        response.headers[hdrs.WWW_AUTHENTICATE] = f'Bearer realm="{realm}",service="{SERVICE}"'
+        response.headers[hdrs.WWW_AUTHENTICATE] = _challenge(request)
     if isinstance(exc, web.HTTPException) and hdrs.ALLOW in exc.headers:
         response.headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
     return response
+
+
+def _challenge(request: web.Request) -> str:
+    """The Bearer challenge: our token endpoint, and on a repository's routes the scope to
+    ask for (the distribution token spec's form; clients that compute their own ignore it)."""
+    challenge = f'Bearer realm="{public_base(request)}v2/token",service="{SERVICE}"'
+    info = request.match_info
+    if "type" in info:
+        repository = f"providers/{info['hostname']}/{info['namespace']}/{info['type']}"
+        if _REPOSITORY_NAME.fullmatch(repository):
+            challenge += f',scope="repository:{repository}:pull"'
+    return challenge
 
 
 _BY_STATUS = {401: "UNAUTHORIZED", 403: "DENIED", 405: "UNSUPPORTED", 429: "TOOMANYREQUESTS",
