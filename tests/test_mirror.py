@@ -122,6 +122,19 @@ async def test_bad_signature_is_refused_and_nothing_is_served(
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
 
 
+async def test_one_bad_sha256sums_met_by_each_platform_is_one_integrity_failure(
+        client: TestClient, registry: FakeRegistry) -> None:
+    """The platforms of a VERSION.json are looked up apart: one whose download document
+    comes later checks the same bad SHA256SUMS again, and must not count it again."""
+    registry.faults.add("badsig")
+    registry.slow_paths["/v1/providers/hashicorp/null/3.2.1/download/darwin"] = 0.3
+    registry.slow_paths["/v1/providers/hashicorp/null/3.2.1/download/windows"] = 0.6
+    response = await client.get(f"{BASE}/3.2.1.json")
+    assert response.status == 502
+    metrics = await (await client.get("/metrics")).text()
+    assert sample(metrics, "tfproxy_integrity_failures_total", kind="signature") == 1
+
+
 @pytest.mark.parametrize(("fault", "message"), [
     ("nokeys", "no signing keys"),
     ("wrongshasum", "SHA256SUMS lists"),

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -46,6 +47,8 @@ UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
 # Verified facts held in memory once they carry an h1 (nothing a document shows changes after
 # that), the most recently used ones.
 HELD_FACTS = 16384
+# How long a failed SHA256SUMS check counts as the same failure when met again.
+SUMS_FAILURE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class VerifiedPackages:
             offline=config.offline, on_stale=activity.stale_answer)
         self._package_fills: SingleFlight[VerifiedPackage] = SingleFlight()
         self._sums_fills: SingleFlight[bytes] = SingleFlight()
+        # SHA256SUMS that just failed their check, by record key: the same bytes met again
+        # moments later (the other platforms of one VERSION.json, looked up apart) are
+        # checked again but are not another failure to count, log and list.
+        self._failed_sums: OrderedDict[str, float] = OrderedDict()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
 
@@ -291,11 +298,27 @@ class VerifiedPackages:
                 signed_by = await quick(
                     verify_detached, sums, signature, info.signing_keys)
             except IntegrityError as exc:
-                raise self.integrity(exc.kind, f"{provider}: {exc.message}",
-                                     f"{provider} {version} SHA256SUMS", exc) from None
+                message = f"{provider}: {exc.message}"
+                if self._failed_recently(key):
+                    raise IntegrityError(exc.kind, message, signed_by=exc.signed_by,
+                                         keys_tried=exc.keys_tried) from None
+                raise self.integrity(exc.kind, message, f"{provider} {version} SHA256SUMS",
+                                     exc) from None
         await self._cache.set(key, {"sums": sums, "signature": signature,
                                     "signed_by": signed_by, "url": mask_secrets(info.shasums_url)})
         return sums
+
+    def _failed_recently(self, key: str) -> bool:
+        """Whether the SHA256SUMS at key failed its check in the last few seconds; notes
+        this failure either way."""
+        now = time.monotonic()
+        while self._failed_sums and next(iter(self._failed_sums.values())) < now - \
+                SUMS_FAILURE_SECONDS:
+            self._failed_sums.popitem(last=False)
+        recent = key in self._failed_sums
+        self._failed_sums.pop(key, None)
+        self._failed_sums[key] = now
+        return recent
 
     def integrity(self, kind: IntegrityKind, message: str, artifact: str,
                   cause: IntegrityError | None = None) -> IntegrityError:
