@@ -20,6 +20,8 @@ from proxy.core.metrics import Metrics
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.oci_distribution import OciProviders
+from proxy.protocols.oci_modules import OciModules
+from proxy.protocols.oci_records import OciRecords
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport, snapshot_directory
 from proxy.store.disk import open_disk_for_commands, open_disk_storage
@@ -38,7 +40,7 @@ from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
-from proxy.web.oci_routes import OCI_KEY, add_oci_routes
+from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes
 from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
@@ -160,9 +162,13 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror
     app[MODULES_KEY] = modules
-    oci = OciProviders(mirror, packages, stored, fills, cache, config.upstream)
+    oci_records = OciRecords(cache)
+    oci = OciProviders(mirror, packages, stored, fills, oci_records, config.upstream)
     opened.push_async_callback(oci.close)
     app[OCI_KEY] = oci
+    oci_modules = OciModules(modules, archives, cache, oci_records, config.upstream)
+    opened.push_async_callback(oci_modules.close)
+    app[OCI_MODULES_KEY] = oci_modules
 
 
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:

@@ -398,6 +398,15 @@ async def test_client_config_oci_template_names_the_endpoints_repositories(
     response = await client.get(f"/v2/{repository}/tags/list")
     assert response.status == 200, await response.text()
     assert await response.json() == {"name": repository, "tags": ["3.1.0", "3.2.1"]}
+    # The module source it shows, filled in: a module repository the endpoint serves.
+    (source,) = [line.split('"')[1] for line in text.splitlines()
+                 if line.startswith("#   source = \"oci://")]
+    source = (source.replace("HOST", "registry.terraform.io").replace("NAMESPACE", "acme")
+              .replace("NAME", "net").replace("SYSTEM", "aws").replace("VERSION", "1.2.0"))
+    parts = urlsplit(source)
+    assert parts.netloc == registry and parts.query == "tag=1.2.0"
+    module = await client.head(f"/v2{parts.path}/manifests/1.2.0")
+    assert module.status == 200, await module.text()
 
 
 def test_client_config_oci_mode_with_auth_adds_oci_credentials_for_the_proxy(

@@ -4,6 +4,8 @@ an organization's registry would."""
 
 from __future__ import annotations
 
+import io
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,9 +20,10 @@ from tests.support.proxy_process import ProxyProcess, free_port
 
 TOKEN = "oci-clients-token-0123456789abcdef"
 REPOSITORY = "providers/registry.terraform.io/hashicorp/null"
+MODULE = "modules/registry.terraform.io/acme/net/aws"
 # What OpenTofu asks for, step by step, for one platform of a version.
 SEQUENCE = [("GET", f"/v2/{REPOSITORY}/tags/list"), ("HEAD", f"/v2/{REPOSITORY}/manifests/3.2.1"),
-            ("GET", "index"), ("GET", "platform manifest"), ("GET", "blob")]
+            ("GET", "manifest by digest"), ("GET", "manifest by digest"), ("GET", "blob")]
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def _shape(requests: list[tuple[str, str]]) -> list[tuple[str, str]]:
     named = []
     for method, path in requests:
         if "/manifests/sha256:" in path:
-            path = "index" if not any(p == "index" for _, p in named) else "platform manifest"
+            path = "manifest by digest"
         elif "/blobs/sha256:" in path:
             path = "blob"
         named.append((method, path))
@@ -72,6 +75,24 @@ def test_opentofu_without_the_token_is_refused(proxy: ProxyProcess,
     assert not registry.requests
 
 
+def _module_files(data: bytes) -> set[str]:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert archive.testzip() is None
+        return set(archive.namelist())
+
+
+def test_opentofus_oci_module_source_installs_a_module_then_without_upstream(
+        proxy: ProxyProcess, registry: FakeRegistry) -> None:
+    """`source = "oci://PROXY/modules/registry.terraform.io/acme/net/aws?tag=1.2.0"`."""
+    client = _opentofu(proxy)
+    package = client.install_module(MODULE, "1.2.0")
+    assert {"main.tf", "modules/sub/main.tf", "scripts/run.sh"} <= _module_files(package)
+    assert _shape(client.requests) == [("HEAD", f"/v2/{MODULE}/manifests/1.2.0"),
+                                       ("GET", "manifest by digest"), ("GET", "blob")]
+    registry.faults.add("down")
+    assert _opentofu(proxy).install_module(MODULE, "1.2.0") == package
+
+
 def test_the_oras_client_lists_resolves_and_pulls_through_the_token_flow(
         proxy: ProxyProcess, registry: FakeRegistry, tmp_path: Path) -> None:
     release = registry.releases[("hashicorp", "null", "3.2.1")]
@@ -89,6 +110,9 @@ def test_the_oras_client_lists_resolves_and_pulls_through_the_token_flow(
         assert manifest["layers"][0]["digest"] == f"sha256:{release.sha256(platform)}"
         (pulled,) = client.pull(target=target, outdir=str(tmp_path / platform))
         assert Path(pulled).read_bytes() == release.zips[platform]
+    assert client.get_tags(f"{host}/{MODULE}") == ["1.1.0", "1.2.0"]
+    (module,) = client.pull(target=f"{host}/{MODULE}:1.2.0", outdir=str(tmp_path / "module"))
+    assert "main.tf" in _module_files(Path(module).read_bytes())
 
 
 def test_a_distribution_pull_through_cache_serves_providers_from_the_proxy(
@@ -108,8 +132,11 @@ def test_a_distribution_pull_through_cache_serves_providers_from_the_proxy(
             assert zh == f"zh:{release.sha256(platform)}"
         # The same index bytes: the proxy's digests hold through another registry.
         assert client.resolve(REPOSITORY, "3.2.1") == direct
+        module = client.install_module(MODULE, "1.2.0")
+        assert "main.tf" in _module_files(module)
         proxy.stop()
         cached = OpenTofuOciClient(cache.url, cache.ca_file)
         index = cached.index(REPOSITORY, direct)
         layer = cached.image(REPOSITORY, cached.select(index, "linux", "amd64"))
         assert cached.fetch(REPOSITORY, layer, "blobs") == release.zips["linux_amd64"]
+        assert cached.install_module(MODULE, "1.2.0") == module

@@ -17,6 +17,7 @@ from proxy.config import load_config
 from tests.conftest import AppClient
 from tests.support.audit import eventually
 from tests.support.fake_registry import FakeRegistry
+from tests.support.metrics import sample
 from tests.support.mirror_paths import archive_path
 
 REPO = "/v2/providers/registry.terraform.io/hashicorp/null"
@@ -253,3 +254,21 @@ async def test_hostile_references_get_oci_errors_and_reach_no_upstream(
     huge = await client.get(f"{REPO}/tags/list?n=99999999999")
     assert huge.status == 400
     assert not registry.archive_requests()
+
+
+async def test_oci_requests_and_bytes_are_in_the_metrics(client: TestClient,
+                                                         registry: FakeRegistry) -> None:
+    release = registry.releases[("hashicorp", "null", "3.2.1")]
+    layer = f"sha256:{release.sha256('linux_amd64')}"
+    await _index(client)
+    await (await client.get(f"{REPO}/blobs/{layer}")).read()
+    await (await client.get(f"{REPO}/blobs/{layer}")).read()
+    await client.get("/v2/modules/registry.terraform.io/acme/net/aws/tags/list")
+    text = await (await client.get("/metrics")).text()
+    for route in ("oci_manifest", "oci_blob", "oci_module_tags"):
+        assert (sample(text, "tfproxy_http_requests_total", route=route,
+                       status_class="2xx") or 0) >= 1, route
+    assert sample(text, "tfproxy_served_bytes_total", kind="package") == \
+        2 * len(release.zips["linux_amd64"])
+    assert (sample(text, "tfproxy_cache_lookups_total", kind="archive", result="hit")
+            or 0) >= 2

@@ -191,6 +191,38 @@ async def test_prune_removes_packages_without_a_record_and_records_without_an_ar
         assert await storage.index.keys("leases/") == ["leases/live"]
 
 
+async def test_a_modules_oci_zip_goes_with_its_archive_and_without_one(
+        tmp_path: Path, proxy_config: Config) -> None:
+    async with serving(), AsyncExitStack() as opened:
+        storage = await open_disk_storage(proxy_config.cache, Metrics(), opened)
+        old = time.time() - 3 * DAY
+        kept, pruned, alone = (layout.parse_module_archive(
+            f"modules/registry.terraform.io/acme/{name}/aws/1.0.0.tar.gz")
+            for name in ("kept", "pruned", "alone"))
+        assert kept and pruned and alone
+        for module in (kept, pruned):
+            await storage.blobs.put(layout.module_archive(*module), _chunks(b"tar"))
+            await storage.index.set(layout.module_archive_record(*module),
+                                    {"sha256": "00", "size": 3, "stored_as": None})
+        for module in (kept, pruned, alone):
+            await storage.blobs.put(layout.module_zip(*module), _chunks(b"zip"))
+            await storage.index.set(layout.module_zip_record(*module), {"sha256": "00"})
+            os.utime(proxy_config.cache.dir / layout.module_zip(*module), (old, old))
+        os.utime(proxy_config.cache.dir / layout.module_archive(*pruned), (old, old))
+        gone_zip = layout.parse_module_archive(
+            "modules/registry.terraform.io/acme/gone/aws/1.0.0.tar.gz")
+        assert gone_zip
+        await storage.index.set(layout.module_zip_record(*gone_zip), {"sha256": "00"})
+        done = await prune(storage, DAY, time.time())
+        assert done.reasons["module zip"] == 1 and done.orphaned_blobs == 1
+        assert done.orphaned_records == 1
+        for module, stays in ((kept, True), (pruned, False), (alone, False)):
+            assert (await storage.blobs.stat(layout.module_zip(*module)) is not None) == stays
+            assert (await storage.index.get(layout.module_zip_record(*module)) is not None) \
+                == (stays or module == alone), module
+        assert await storage.index.get(layout.module_zip_record(*gone_zip)) is None
+
+
 async def _chunks(data: bytes):  # type: ignore[no-untyped-def]
     yield data
 

@@ -12,6 +12,8 @@ MODULES_PATH = "modules/"
 PROVIDERS_PATH = "providers/"
 # The OCI repository of a provider: /v2/providers/HOST/NAMESPACE/TYPE on the proxy.
 OCI_REPOSITORY_TEMPLATE = "providers/${hostname}/${namespace}/${type}"
+# The OCI repository of a module: /v2/modules/HOST/NAMESPACE/NAME/SYSTEM on the proxy.
+OCI_MODULE_SOURCE = "modules/HOST/NAMESPACE/NAME/SYSTEM?tag=VERSION"
 MODES = ("mirror", "registry", "oci")
 
 
@@ -93,6 +95,14 @@ def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirr
             *services,
             "  }",
             "}",
+        ]
+    if mode == "oci":
+        lines += [
+            "",
+            "# Registry modules can also come as OCI artifacts (an OCI-only policy, or your own",
+            "# registry's pull-through cache in front of the proxy): a module block's source,",
+            "# with an exact version (oci:// takes no constraint; `+` in a version is `_`):",
+            f'#   source = "oci://{proxy_host}/{OCI_MODULE_SOURCE}"',
         ]
     return "\n".join(lines) + "\n"
 

@@ -130,13 +130,26 @@ class ModuleRegistry:
         await self._note_served(module, version)
         return stored
 
+    def require_served(self, module: ModuleAddress) -> None:
+        """Raises unless the filters let this module through."""
+        self._filters.require_module(module)
+
+    async def versions(self, module: ModuleAddress) -> list[str]:
+        """The versions `versions` lists (offline: the list the store holds)."""
+        self._filters.require_module(module)
+        return await self._versions(module)
+
+    async def archive_sha256(self, module: ModuleAddress, version: str) -> str | None:
+        """The recorded sha256 of the stored archive (None: none recorded)."""
+        return recorded_sha256(await self._cache.get(
+            layout.module_archive_record(module, version)))
+
     async def _note_served(self, module: ModuleAddress, version: str) -> None:
         """Hand the archive's recorded sha256 to the audit line of the request serving it;
         nothing (no index read) while the audit log is off."""
         facts = SERVED_FACTS.get()
         if facts is not None:
-            facts.sha256 = recorded_sha256(
-                await self._cache.get(layout.module_archive_record(module, version)))
+            facts.sha256 = await self.archive_sha256(module, version)
 
     # --- versions ------------------------------------------------------------------------
 

@@ -6,25 +6,20 @@ Operations: tags (tags/list), manifest (manifests/<tag|digest>), blob (blobs/<di
 A version's index needs every platform manifest, and a platform manifest the size of its
 zip, which the provider registry protocol does not give: the first request for a tag fills
 every platform the proxy serves of that version (single-flighted with every other fill).
-Every document handed out is recorded by digest in the store's index, so a digest stays
-resolvable everywhere; the layers are the stored packages themselves."""
+Every document handed out is recorded by digest (oci_records), so a digest stays resolvable
+everywhere; the layers are the stored packages themselves."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from proxy.config import UpstreamConfig
-from proxy.core.errors import BadRequest, NotFound, Offline
-from proxy.core.held import keep_recent
+from proxy.core.errors import BadRequest, Offline
 from proxy.core.models import Platform, ProviderAddress, parse_version
 from proxy.core.spool import GrowingFile
 from proxy.protocols.held_documents import Built, HeldAnswers, current_for
 from proxy.protocols.network_mirror import INCOMPLETE_DOCUMENT_SECONDS, ProviderMirror
 from proxy.protocols.oci_manifests import (
-    INDEX_MEDIA_TYPE,
-    MANIFEST_MEDIA_TYPE,
     Document,
     PlatformPackage,
     platform_manifest,
@@ -32,71 +27,41 @@ from proxy.protocols.oci_manifests import (
     tag_of,
     version_of,
 )
+from proxy.protocols.oci_records import (
+    BlobUnknown,
+    ManifestUnknown,
+    OciRecords,
+    digest_hex,
+    is_digest,
+)
 from proxy.protocols.platform_packages import for_each_platform, served_platforms
-from proxy.store import layout
-from proxy.store.protocol import BlobInfo, MetadataIndex
+from proxy.store.protocol import BlobInfo
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
 
 log = logging.getLogger(__name__)
 _HELD = 4096
-_MEDIA_TYPES = frozenset({INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE})
-EMPTY_CONFIG_BLOB = b"{}"
 
 
-class ManifestUnknown(NotFound):
-    """No manifest of this repository has that tag or digest (OCI: MANIFEST_UNKNOWN)."""
-
-
-class BlobUnknown(NotFound):
-    """No blob of this repository has that digest (OCI: BLOB_UNKNOWN)."""
-
-
-class DigestInvalid(BadRequest):
-    """Not a digest this registry can name (OCI: DIGEST_INVALID)."""
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """Where a layer's bytes come from: a version's package for one platform."""
-
-    version: str
-    platform: Platform
-
-
-def digest_hex(digest: str) -> str:
-    """The hex of a `sha256:HEX` digest (DigestInvalid for any other)."""
-    algorithm, _, hexdigest = digest.partition(":")
-    if algorithm != "sha256" or len(hexdigest) != 64 or \
-            hexdigest.strip("0123456789abcdef"):
-        raise DigestInvalid(f"not a sha256 digest: {digest[:80]!r}")
-    return hexdigest
-
-
-def is_digest(reference: str) -> bool:
-    """Whether a manifest reference is a digest (`algorithm:hex`) rather than a tag (tags
-    cannot hold a colon)."""
-    return ":" in reference
+def provider_repository(provider: ProviderAddress) -> str:
+    """The OCI repository name of a provider: `providers/HOST/NAMESPACE/TYPE`."""
+    return f"providers/{provider}"
 
 
 class OciProviders:
     """Tags, manifests and blobs of provider repositories, built from verified packages."""
 
     def __init__(self, mirror: ProviderMirror, packages: VerifiedPackages,
-                 stored: StoredPackages, fills: PackageFills, index: MetadataIndex,
+                 stored: StoredPackages, fills: PackageFills, records: OciRecords,
                  config: UpstreamConfig) -> None:
         self._mirror = mirror
         self._packages = packages
         self._stored = stored
         self._fills = fills
-        self._index = index
+        self._records = records
         self._offline = config.offline
         self._indexes: HeldAnswers[Document] = HeldAnswers(_HELD)
-        # Documents by (repository, digest) and layers by (repository, sha256), as recorded:
-        # a hit reads nothing from the store.
-        self._documents: OrderedDict[tuple[str, str], Document] = OrderedDict()
-        self._layers: OrderedDict[tuple[str, str], _Layer] = OrderedDict()
 
     async def close(self) -> None:
         """Stop index rebuilds under way (shutdown)."""
@@ -117,7 +82,8 @@ class OciProviders:
         handed out for this repository."""
         self._packages.require_served(provider)
         if is_digest(reference):
-            return await self._document(provider, digest_hex(reference))
+            return await self._records.document(provider_repository(provider),
+                                                digest_hex(reference))
         try:
             version = parse_version(version_of(reference))
         except BadRequest:
@@ -126,10 +92,9 @@ class OciProviders:
         return await self._indexes.get((str(provider), version),
                                        lambda: self._built_index(provider, version))
 
-    def empty_config(self, provider: ProviderAddress) -> bytes:
-        """`blobs/<the empty config's digest>`: every platform manifest's config."""
+    def require_served(self, provider: ProviderAddress) -> None:
+        """Raises unless the proxy serves this provider (host allowed, filters)."""
         self._packages.require_served(provider)
-        return EMPTY_CONFIG_BLOB
 
     async def blob(self, provider: ProviderAddress,
                    digest: str) -> BlobInfo | GrowingFile[BlobInfo]:
@@ -140,8 +105,7 @@ class OciProviders:
         layer = await self._layer(provider, hexdigest)
         if layer is None:
             raise BlobUnknown(f"{provider} has no blob {digest}: ask for its manifest first")
-        return await self._mirror.archive(
-            provider, provider.archive_filename(layer.version, layer.platform))
+        return await self._mirror.archive(provider, provider.archive_filename(*layer))
 
     # --- the index of a version ----------------------------------------------------------
 
@@ -157,9 +121,10 @@ class OciProviders:
 
         manifests, every_platform = await for_each_platform(provider, version, platforms, one)
         index = provider_index(manifests)
+        repository = provider_repository(provider)
         for _platform, document in manifests:
-            await self._record_document(provider, document)
-        await self._record_document(provider, index)
+            await self._records.record_document(repository, document)
+        await self._records.record_document(repository, index)
         settled = every_platform and not self._offline
         return Built(index, keep=True,
                      until=None if settled else current_for(INCOMPLETE_DOCUMENT_SECONDS))
@@ -175,67 +140,19 @@ class OciProviders:
                               "the proxy is offline")
             filled = await self._fills.archive(provider, version, platform)
             stored = await filled.wait_done() if isinstance(filled, GrowingFile) else filled
-        await self._record_layer(provider, package.shasum, _Layer(version, platform))
+        await self._records.record_layer(provider_repository(provider), package.shasum, {
+            "version": version, "os": platform.os, "arch": platform.arch})
         return PlatformPackage(platform, package.shasum, stored.size)
 
-    # --- records by digest ---------------------------------------------------------------
-
-    async def _record_document(self, provider: ProviderAddress, document: Document) -> None:
-        hexdigest = document.digest.removeprefix("sha256:")
-        key = (str(provider), hexdigest)
-        if key in self._documents:
-            return
-        await self._index.create(layout.oci_document_record(provider, hexdigest),
-                                 {"media_type": document.media_type,
-                                  "body": document.body.decode()})
-        keep_recent(self._documents, key, document, _HELD)
-
-    async def _document(self, provider: ProviderAddress, hexdigest: str) -> Document:
-        key = (str(provider), hexdigest)
-        held = self._documents.get(key)
-        if held is not None:
-            self._documents.move_to_end(key)
-            return held
-        record = await self._index.get(layout.oci_document_record(provider, hexdigest))
-        document = _document_from_record(record, hexdigest)
-        if document is None:
-            raise ManifestUnknown(f"{provider} has no manifest sha256:{hexdigest}")
-        keep_recent(self._documents, key, document, _HELD)
-        return document
-
-    async def _record_layer(self, provider: ProviderAddress, sha256: str,
-                            layer: _Layer) -> None:
-        key = (str(provider), sha256)
-        if self._layers.get(key) == layer:
-            return
-        await self._index.create(layout.oci_layer_record(provider, sha256),
-                                 {"version": layer.version, "os": layer.platform.os,
-                                  "arch": layer.platform.arch})
-        keep_recent(self._layers, key, layer, _HELD)
-
-    async def _layer(self, provider: ProviderAddress, sha256: str) -> _Layer | None:
-        key = (str(provider), sha256)
-        held = self._layers.get(key)
-        if held is not None:
-            return held
-        record = await self._index.get(layout.oci_layer_record(provider, sha256))
+    async def _layer(self, provider: ProviderAddress,
+                     sha256: str) -> tuple[str, Platform] | None:
+        """The version and platform whose package is the layer with this sha256."""
+        record = await self._records.layer(provider_repository(provider), sha256)
+        if record is None:
+            return None
         try:
-            layer = _Layer(parse_version(record["version"]),
-                           Platform.parse(record["os"], record["arch"])) if record else None
+            return (parse_version(record["version"]),
+                    Platform.parse(record["os"], record["arch"]))
         except (BadRequest, KeyError, TypeError):
             log.warning("ignoring a malformed OCI layer record for %s %s", provider, sha256)
             return None
-        if layer is not None:
-            keep_recent(self._layers, key, layer, _HELD)
-        return layer
-
-
-def _document_from_record(record: dict[str, object] | None, hexdigest: str) -> Document | None:
-    """The recorded document, only if its bytes still have the digest it is filed under."""
-    if record is None:
-        return None
-    body, media_type = record.get("body"), record.get("media_type")
-    if not isinstance(body, str) or media_type not in _MEDIA_TYPES:
-        return None
-    document = Document(body.encode(), str(media_type))
-    return document if document.digest == f"sha256:{hexdigest}" else None

@@ -22,11 +22,14 @@ INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 PROVIDER_ARTIFACT_TYPE = "application/vnd.opentofu.provider"
 TARGET_ARTIFACT_TYPE = "application/vnd.opentofu.provider-target"
+MODULE_ARTIFACT_TYPE = "application/vnd.opentofu.modulepkg"
 ZIP_LAYER_MEDIA_TYPE = "archive/zip"
 # The OCI "empty" config: the two bytes `{}`; OpenTofu never reads it.
 EMPTY_CONFIG = {"mediaType": "application/vnd.oci.empty.v1+json",
                 "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
                 "size": 2, "data": "e30="}
+# Its bytes, served as the config blob of every manifest.
+EMPTY_CONFIG_BLOB = b"{}"
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -67,21 +70,36 @@ def _serialized(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def platform_manifest(package: PlatformPackage) -> Document:
-    """The image manifest of one platform: the empty config and one archive/zip layer whose
-    digest is the package's sha256 (so OpenTofu's `zh:` equals a direct install's)."""
-    if len(package.sha256) != 64 or not set(package.sha256) <= _SHA256_HEX:
-        raise BadRequest(f"not a sha256 hex digest: {package.sha256[:80]!r}")
-    if package.size <= 0:
-        raise BadRequest(f"a package cannot be {package.size} bytes")
+def _check_layer(sha256: str, size: int) -> None:
+    if len(sha256) != 64 or not set(sha256) <= _SHA256_HEX:
+        raise BadRequest(f"not a sha256 hex digest: {sha256[:80]!r}")
+    if size <= 0:
+        raise BadRequest(f"a layer cannot be {size} bytes")
+
+
+def _zip_manifest(artifact_type: str, sha256: str, size: int) -> Document:
+    """An image manifest of artifact_type: the empty config and one archive/zip layer."""
+    _check_layer(sha256, size)
     return Document(_serialized({
         "schemaVersion": 2,
         "mediaType": MANIFEST_MEDIA_TYPE,
-        "artifactType": TARGET_ARTIFACT_TYPE,
+        "artifactType": artifact_type,
         "config": EMPTY_CONFIG,
-        "layers": [{"mediaType": ZIP_LAYER_MEDIA_TYPE, "digest": f"sha256:{package.sha256}",
-                    "size": package.size}],
+        "layers": [{"mediaType": ZIP_LAYER_MEDIA_TYPE, "digest": f"sha256:{sha256}",
+                    "size": size}],
     }), MANIFEST_MEDIA_TYPE)
+
+
+def platform_manifest(package: PlatformPackage) -> Document:
+    """The image manifest of one platform: the empty config and one archive/zip layer whose
+    digest is the package's sha256 (so OpenTofu's `zh:` equals a direct install's)."""
+    return _zip_manifest(TARGET_ARTIFACT_TYPE, package.sha256, package.size)
+
+
+def module_manifest(sha256: str, size: int) -> Document:
+    """The image manifest of a module version, as OpenTofu's `oci://` module source takes
+    it: the empty config and the module as one archive/zip layer."""
+    return _zip_manifest(MODULE_ARTIFACT_TYPE, sha256, size)
 
 
 def provider_index(manifests: Iterable[tuple[Platform, Document]]) -> Document:

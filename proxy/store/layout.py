@@ -3,8 +3,9 @@ here, and nowhere else. Callers ask for keys by what they name; a backend maps k
 dict entries or object names (see proxy.store.protocol).
 
 Blobs: `archives/HOST/NAMESPACE/TYPE/VERSION/terraform-provider-TYPE_VERSION_OS_ARCH.zip`
-and `modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz`. Index documents: `package/...`,
-`sums/...`, `versions/...`, `module-archive/...`, `module-versions/...`, `oci-manifests/...`,
+and `modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz` (and `VERSION.zip`, the same module
+as an OCI layer). Index documents: `package/...`, `sums/...`, `versions/...`,
+`module-archive/...`, `module-versions/...`, `module-zip/...`, `oci-manifests/...`,
 `oci-layers/...`. These are the paths the cache directory has always used: a cache written by
 an earlier release reads as is."""
 
@@ -23,6 +24,7 @@ AREAS = (PROVIDER_AREA, MODULE_AREA)
 # Under cache.dir: where an object-store backend keeps its local hot copies.
 HOT_COPIES_DIR = "s3"
 _MODULE_SUFFIX = ".tar.gz"
+_MODULE_ZIP_SUFFIX = ".zip"
 
 
 # --- blobs ---------------------------------------------------------------------------------
@@ -130,16 +132,35 @@ def module_version_list_record(module: ModuleAddress) -> str:
     return f"module-versions/{module}"
 
 
-def oci_document_record(provider: ProviderAddress, digest_hex: str) -> str:
-    """The index key of an OCI manifest or index served for provider, by its sha256: a
-    digest handed out once stays resolvable (by every replica, after restarts)."""
-    return f"oci-manifests/{provider}/{digest_hex}"
+def oci_document_record(repository: str, digest_hex: str) -> str:
+    """The index key of an OCI manifest or index served for repository (`providers/...`,
+    `modules/...`), by its sha256: a digest handed out once stays resolvable (by every
+    replica, after restarts)."""
+    return f"oci-manifests/{repository}/{digest_hex}"
 
 
-def oci_layer_record(provider: ProviderAddress, sha256: str) -> str:
-    """The index key naming the package (version, platform) whose zip is the OCI layer with
-    this sha256 in provider's repository."""
-    return f"oci-layers/{provider}/{sha256}"
+def oci_layer_record(repository: str, sha256: str) -> str:
+    """The index key naming what the OCI layer with this sha256 in repository is (a
+    provider's version and platform, a module's version)."""
+    return f"oci-layers/{repository}/{sha256}"
+
+
+def module_zip(module: ModuleAddress, version: str) -> str:
+    """The key of a module version as the zip its OCI layer is, made from its archive (not
+    a module archive: the commands that list and verify archives leave it alone)."""
+    return module_archive(module, version).removesuffix(_MODULE_SUFFIX) + _MODULE_ZIP_SUFFIX
+
+
+def parse_module_zip(key: str) -> tuple[ModuleAddress, str] | None:
+    """The module and version a module zip key names; None for another key."""
+    if not key.endswith(_MODULE_ZIP_SUFFIX):
+        return None
+    return parse_module_archive(key.removesuffix(_MODULE_ZIP_SUFFIX) + _MODULE_SUFFIX)
+
+
+def module_zip_record(module: ModuleAddress, version: str) -> str:
+    """The index key of a module zip's sha256, size and stored identity."""
+    return f"{MODULE_ZIP_RECORDS}{module}/{version}"
 
 
 def record_of_blob(key: str) -> str | None:
@@ -153,15 +174,19 @@ def record_of_blob(key: str) -> str | None:
 
 
 def blob_of_record(key: str) -> str | None:
-    """The blob a record_of_blob key vouches for; None for another key."""
+    """The blob a record_of_blob key (or a module zip's record) vouches for; None for
+    another key."""
     parts = key.split("/")
     if f"{parts[0]}/" == MODULE_ARCHIVE_RECORDS and len(parts) == 6 and parts[5]:
         return module_archive(ModuleAddress(*parts[1:5]), parts[5])
+    if f"{parts[0]}/" == MODULE_ZIP_RECORDS and len(parts) == 6 and parts[5]:
+        return module_zip(ModuleAddress(*parts[1:5]), parts[5])
     package = parse_package_record(key)
     return None if package is None else provider_archive(*package)
 
 
 MODULE_ARCHIVE_RECORDS = "module-archive/"
+MODULE_ZIP_RECORDS = "module-zip/"
 # Fill leases (`leases/NAME`, with an `expires_at`): what a replica that died mid-fill
 # leaves behind, until prune removes it.
 LEASE_RECORDS = "leases/"
@@ -177,3 +202,8 @@ def provider_fill(provider: ProviderAddress, version: str, platform: Platform) -
 def module_fill(module: ModuleAddress, version: str) -> str:
     """The name of the lock one module archive's fill (or drop) holds."""
     return f"module/{module}/{version}"
+
+
+def module_zip_fill(module: ModuleAddress, version: str) -> str:
+    """The fill-lock name of making one module version's zip."""
+    return f"module-zip/{module}/{version}"

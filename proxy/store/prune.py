@@ -132,6 +132,7 @@ async def _plan(storage: Storage, rules: PruneRules, now: float,
     records = set(await storage.index.keys(layout.PACKAGE_RECORDS))
     module_records = await storage.index.keys(layout.MODULE_ARCHIVE_RECORDS)
     records.update(module_records)
+    zip_records = await storage.index.keys(layout.MODULE_ZIP_RECORDS)
     listed = [info for area in layout.AREAS for info in await storage.blobs.list(f"{area}/")]
     uses = await storage.blobs.last_uses("")
     held = {info.key for info in listed}
@@ -161,13 +162,31 @@ async def _plan(storage: Storage, rules: PruneRules, now: float,
             chosen.append((blob.info, blob.record if blob.recorded else None,
                            "least recently used"))
             left -= blob.info.size
-    gone_records = [record for record in module_records
+    _follow_archives(listed, chosen, orphaned, settled_before)
+    gone_records = [record for record in [*module_records, *zip_records]
                     if (archive := layout.blob_of_record(record)) is not None
                     and archive not in held]
     stale_marks = [key for key, used in uses.items()
                    if key not in held and used < settled_before]
     return _Plan(chosen, orphaned, gone_records, stale_marks,
                  len(described) - len(chosen) - len(orphaned))
+
+
+def _follow_archives(listed: list[BlobInfo], chosen: list[tuple[BlobInfo, str | None, str]],
+                     orphaned: list[BlobInfo], settled_before: float) -> None:
+    """A module's OCI zip (made from its archive) goes with the archive, and when the
+    archive is gone (it is made again from the archive, which is fetched again first)."""
+    held = {info.key for info in listed}
+    going = {info.key for info, _record, _why in chosen}
+    for info in listed:
+        named = layout.parse_module_zip(info.key)
+        if named is None:
+            continue
+        archive = layout.module_archive(*named)
+        if archive in going:
+            chosen.append((info, layout.module_zip_record(*named), "module zip"))
+        elif archive not in held and info.mtime < settled_before:
+            orphaned.append(info)
 
 
 def _reason(rules: PruneRules, blob: HeldBlob, now: float) -> str | None:

@@ -4,22 +4,24 @@ scanner's or a typo's path), so neither writes a line for it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from proxy.core import models
 from proxy.core.audit import Artifact
 from proxy.core.errors import BadRequest
-from proxy.protocols.oci_distribution import digest_hex, is_digest
 from proxy.protocols.oci_manifests import EMPTY_CONFIG, version_of
+from proxy.protocols.oci_records import digest_hex, is_digest
 from proxy.verification.packages import SUMS_ID
 
 _SUMS_FILES = ("SHA256SUMS", "SHA256SUMS.sig")
 _PROVIDER_ROUTES = ("mirror", "provider_versions", "provider_download", "provider_sums")
 _MODULE_ROUTES = ("module_versions", "module")
 _OCI_ROUTES = ("oci_tags", "oci_manifest", "oci_blob")
+_OCI_MODULE_ROUTES = ("oci_module_tags", "oci_module_manifest", "oci_module_blob")
 # The routes that can name one.
-ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES + _OCI_ROUTES)
+ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES + _OCI_ROUTES
+                            + _OCI_MODULE_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ def named_artifact(route: str, params: Mapping[str, str]) -> Named | None:
             return _provider(route, params)
         if route in _MODULE_ROUTES:
             return _module(route, params)
-        if route in _OCI_ROUTES:
+        if route in _OCI_ROUTES or route in _OCI_MODULE_ROUTES:
             return _oci(route, params)
     except BadRequest:
         return None
@@ -82,18 +84,32 @@ def _module(route: str, params: Mapping[str, str]) -> Named | None:
 
 
 def _oci(route: str, params: Mapping[str, str]) -> Named | None:
-    """A provider repository's tags, a version's index (by tag), a document by digest, or a
-    package (a blob other than the empty config)."""
-    provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
-                                            params["type"])
-    if route == "oci_tags":
-        return Named(Artifact.provider(provider))
-    if route == "oci_manifest":
+    """A repository's tags, a version's index or manifest (by tag), a document by digest, or
+    the repository's file (a blob other than the empty config: a package, a module's zip)."""
+    of_version: Callable[[str], Artifact]
+    if "system" in params:
+        module = models.ModuleAddress.parse(params["hostname"], params["namespace"],
+                                            params["name"], params["system"])
+        whole = Artifact.module(module)
+
+        def of_version(tag: str) -> Artifact:
+            return Artifact.module(module, models.parse_module_version(version_of(tag)))
+    else:
+        provider = models.ProviderAddress.parse(params["hostname"], params["namespace"],
+                                                params["type"])
+        whole = Artifact.provider(provider)
+
+        def of_version(tag: str) -> Artifact:
+            return Artifact.provider(provider, models.parse_version(version_of(tag)))
+    operation = route.removeprefix("oci_").removeprefix("module_")
+    if operation == "tags":
+        return Named(whole)
+    if operation == "manifest":
         reference = params["reference"]
         if is_digest(reference):
             digest_hex(reference)
-            return Named(Artifact.provider(provider))
-        return Named(Artifact.provider(provider, models.parse_version(version_of(reference))))
+            return Named(whole)
+        return Named(of_version(reference))
     digest = params["digest"]
     digest_hex(digest)
-    return Named(Artifact.provider(provider), is_file=digest != EMPTY_CONFIG["digest"])
+    return Named(whole, is_file=digest != EMPTY_CONFIG["digest"])

@@ -30,7 +30,8 @@ _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
 BASIC_ROUTES = frozenset({"status_page", "status_json"})
 # The OCI distribution API: registry clients and pull-through caches log in with a user name
 # and password (the token, as Basic or through the token flow at /v2/token: oci_tokens).
-OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oci_blob"})
+OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oci_blob",
+                        "oci_module_tags", "oci_module_manifest", "oci_module_blob"})
 Authenticate = Callable[[web.Request], None]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32

@@ -1,33 +1,38 @@
-"""HTTP handlers of the OCI distribution API (read-only): `/v2/`, the token endpoint, and
-the provider repositories `/v2/providers/HOST/NAMESPACE/TYPE/...`
+"""HTTP handlers of the OCI distribution API (read-only): `/v2/`, the token endpoint, the
+provider repositories `/v2/providers/HOST/NAMESPACE/TYPE/...` and the module repositories
+`/v2/modules/HOST/NAMESPACE/NAME/SYSTEM/...`
 (https://github.com/opencontainers/distribution-spec/blob/main/spec.md)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from urllib.parse import quote
 
 from aiohttp import hdrs, web
 
 from proxy.core.errors import BadRequest
-from proxy.core.models import ProviderAddress
+from proxy.core.models import ModuleAddress, ProviderAddress
 from proxy.core.redaction import mask_secrets
-from proxy.protocols.oci_distribution import (
-    BlobUnknown,
-    DigestInvalid,
-    ManifestUnknown,
-    OciProviders,
-)
-from proxy.protocols.oci_manifests import EMPTY_CONFIG
+from proxy.core.spool import GrowingFile
+from proxy.protocols.oci_distribution import OciProviders, provider_repository
+from proxy.protocols.oci_manifests import EMPTY_CONFIG, EMPTY_CONFIG_BLOB, Document
+from proxy.protocols.oci_modules import OciModules, module_repository
+from proxy.protocols.oci_records import BlobUnknown, DigestInvalid, ManifestUnknown
+from proxy.store.protocol import BlobInfo
 from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
 from proxy.web.oci_tokens import issue_token
 from proxy.web.responses import send_file
 from proxy.web.routes import ARCHIVES_KEY, METRICS_KEY, RouteAdder, public_base
 
 OCI_KEY = web.AppKey("oci_providers", OciProviders)
-REPOSITORY = "/v2/providers/{hostname}/{namespace}/{type}"
+OCI_MODULES_KEY = web.AppKey("oci_modules", OciModules)
+PROVIDER_REPOSITORY = "/v2/providers/{hostname}/{namespace}/{type}"
+MODULE_REPOSITORY = "/v2/modules/{hostname}/{namespace}/{name}/{system}"
 # Sent with every /v2 answer: Docker clients and Distribution check it on `GET /v2/`.
 API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
 SERVICE = "tf-registry-proxy"
@@ -42,9 +47,10 @@ def add_oci_routes(get: RouteAdder) -> None:
     """The OCI routes, their errors in the OCI shape."""
     get("/v2/", base, "oci_base", oci_error)
     get("/v2/token", token, "oci_token", oci_error)
-    get(REPOSITORY + "/tags/list", tags_list, "oci_tags", oci_error)
-    get(REPOSITORY + "/manifests/{reference}", manifest, "oci_manifest", oci_error)
-    get(REPOSITORY + "/blobs/{digest}", blob, "oci_blob", oci_error)
+    for repository, kind in ((PROVIDER_REPOSITORY, ""), (MODULE_REPOSITORY, "module_")):
+        get(repository + "/tags/list", tags_list, f"oci_{kind}tags", oci_error)
+        get(repository + "/manifests/{reference}", manifest, f"oci_{kind}manifest", oci_error)
+        get(repository + "/blobs/{digest}", blob, f"oci_{kind}blob", oci_error)
 
 
 async def base(_request: web.Request) -> web.Response:
@@ -66,15 +72,40 @@ async def token(request: web.Request) -> web.Response:
                              headers={**API_VERSION, "Cache-Control": "no-store"})
 
 
-def _provider(request: web.Request) -> ProviderAddress:
+@dataclass(frozen=True)
+class _Repository:
+    """The repository a request names: a provider's or a module's, and its operations."""
+
+    name: str
+    require_served: Callable[[], None]
+    tags: Callable[[], Awaitable[list[str]]]
+    manifest: Callable[[str], Awaitable[Document]]
+    blob: Callable[[str], Awaitable[BlobInfo | GrowingFile[BlobInfo]]]
+    served_kind: str  # the tfproxy_served_bytes kind of its blobs
+
+
+def _repository(request: web.Request) -> _Repository:
     info = request.match_info
-    return ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+    if "system" in info:
+        module = ModuleAddress.parse(info["hostname"], info["namespace"], info["name"],
+                                     info["system"])
+        modules = request.app[OCI_MODULES_KEY]
+        return _Repository(module_repository(module),
+                           partial(modules.require_served, module), partial(modules.tags, module),
+                           partial(modules.manifest, module), partial(modules.blob, module),
+                           "module")
+    provider = ProviderAddress.parse(info["hostname"], info["namespace"], info["type"])
+    providers = request.app[OCI_KEY]
+    return _Repository(provider_repository(provider),
+                       partial(providers.require_served, provider),
+                       partial(providers.tags, provider), partial(providers.manifest, provider),
+                       partial(providers.blob, provider), "package")
 
 
 async def tags_list(request: web.Request) -> web.Response:
     """`tags/list`, paginated by `n` and `last` with a `Link` to the next page."""
-    provider = _provider(request)
-    tags = await request.app[OCI_KEY].tags(provider)
+    repository = _repository(request)
+    tags = await repository.tags()
     last = request.query.get("last")
     if last:
         tags = [tag for tag in tags if tag > last]
@@ -89,15 +120,13 @@ async def tags_list(request: web.Request) -> web.Response:
             headers["Link"] = (f'<{request.path}?n={count}&last={quote(tags[count - 1])}>; '
                                'rel="next"')
         tags = tags[:count]
-    return web.json_response({"name": f"providers/{provider}", "tags": tags},
-                             headers=headers)
+    return web.json_response({"name": repository.name, "tags": tags}, headers=headers)
 
 
 async def manifest(request: web.Request) -> web.Response:
     """`manifests/<tag|digest>` (GET and HEAD): the document's exact bytes, its media type
     and digest."""
-    document = await request.app[OCI_KEY].manifest(_provider(request),
-                                                   request.match_info["reference"])
+    document = await _repository(request).manifest(request.match_info["reference"])
     return web.Response(body=document.body, headers={
         **API_VERSION, hdrs.CONTENT_TYPE: document.media_type,
         "Docker-Content-Digest": document.digest, hdrs.ETAG: f'"{document.digest}"'})
@@ -105,17 +134,16 @@ async def manifest(request: web.Request) -> web.Response:
 
 async def blob(request: web.Request) -> web.StreamResponse:
     """`blobs/<digest>` (GET and HEAD, Range): the empty config, or the verified zip."""
-    provider = _provider(request)
+    repository = _repository(request)
     digest = request.match_info["digest"]
-    oci = request.app[OCI_KEY]
     headers = {**API_VERSION, "Docker-Content-Digest": digest}
     if digest == EMPTY_CONFIG["digest"]:
-        return web.Response(body=oci.empty_config(provider), content_type=_BLOB_TYPE,
-                            headers=headers)
+        repository.require_served()
+        return web.Response(body=EMPTY_CONFIG_BLOB, content_type=_BLOB_TYPE, headers=headers)
     app = request.app
-    return await send_file(request, lambda: oci.blob(provider, digest), _BLOB_TYPE,
-                           app[ARCHIVES_KEY], app[METRICS_KEY].served_bytes.labels("package"),
-                           headers)
+    served = app[METRICS_KEY].served_bytes.labels(repository.served_kind)
+    return await send_file(request, lambda: repository.blob(digest), _BLOB_TYPE,
+                           app[ARCHIVES_KEY], served, headers)
 
 
 def oci_error(request: web.Request, status: int, message: str,
@@ -138,8 +166,10 @@ def _challenge(request: web.Request) -> str:
     ask for (the distribution token spec's form; clients that compute their own ignore it)."""
     challenge = f'Bearer realm="{public_base(request)}v2/token",service="{SERVICE}"'
     info = request.match_info
-    if "type" in info:
-        repository = f"providers/{info['hostname']}/{info['namespace']}/{info['type']}"
+    if "type" in info or "system" in info:
+        repository = (f"modules/{info['hostname']}/{info['namespace']}/{info['name']}/"
+                      f"{info['system']}" if "system" in info else
+                      f"providers/{info['hostname']}/{info['namespace']}/{info['type']}")
         if _REPOSITORY_NAME.fullmatch(repository):
             challenge += f',scope="repository:{repository}:pull"'
     return challenge
@@ -158,9 +188,9 @@ def _code(request: web.Request, status: int, exc: Exception) -> str:
     if isinstance(exc, BlobUnknown):
         return "BLOB_UNKNOWN"
     if status == 404:
-        route = request.match_info.route.name
+        route = (request.match_info.route.name or "").replace("oci_module_", "oci_")
         return {"oci_manifest": "MANIFEST_UNKNOWN", "oci_blob": "BLOB_UNKNOWN"}.get(
-            route or "", "NAME_UNKNOWN")
+            route, "NAME_UNKNOWN")
     if status == 400:
         return "NAME_INVALID"
     return _BY_STATUS.get(status, "UNKNOWN")

@@ -27,6 +27,7 @@ INDEX = "application/vnd.oci.image.index.v1+json"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 PROVIDER = "application/vnd.opentofu.provider"
 TARGET = "application/vnd.opentofu.provider-target"
+MODULE = "application/vnd.opentofu.modulepkg"
 # oras-go's manifest Accept (registry/remote: defaultManifestMediaTypes).
 MANIFEST_ACCEPT = ", ".join([
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -124,23 +125,25 @@ class OpenTofuOciClient:
                 path = urllib.parse.urlunsplit(("", "", target.path, target.query, ""))
         return found
 
-    def resolve(self, repository: str, tag: str) -> dict[str, Any]:
-        """HEAD by tag: the index's descriptor, from Content-Type, Content-Length and
-        Docker-Content-Digest (all required by oras-go for a HEAD by tag)."""
+    def resolve(self, repository: str, tag: str, media_type: str = INDEX,
+                artifact_type: str = PROVIDER) -> dict[str, Any]:
+        """HEAD by tag: the descriptor of the index (a provider version) or image manifest (a
+        module), from Content-Type, Content-Length and Docker-Content-Digest (all required by
+        oras-go for a HEAD by tag); OpenTofu fills in the artifactType it wants."""
         answer = self.request("HEAD", f"/v2/{repository}/manifests/{tag}", MANIFEST_ACCEPT)
         if answer.status != 200:
             raise OciCheckFailed(f"HEAD manifests/{tag}: {answer.status}")
         if answer.body:
             raise OciCheckFailed("a HEAD answer carried a body")
-        media_type = answer.headers.get("content-type", "")
-        if media_type != INDEX:
-            raise OciCheckFailed(f"tag resolves to {media_type!r}, not an index")
+        if answer.headers.get("content-type", "") != media_type:
+            raise OciCheckFailed(f"tag resolves to {answer.headers.get('content-type')!r}, "
+                                 f"not {media_type}")
         size = int(answer.headers.get("content-length", "-1"))
         digest = answer.headers.get("docker-content-digest", "")
         if size <= 0 or size > MANIFEST_LIMIT or not digest.startswith("sha256:"):
             raise OciCheckFailed(f"HEAD descriptor incomplete: size {size}, digest {digest!r}")
         return {"mediaType": media_type, "digest": digest, "size": size,
-                "artifactType": PROVIDER}
+                "artifactType": artifact_type}
 
     def fetch(self, repository: str, descriptor: dict[str, Any], kind: str) -> bytes:
         """GET by digest, checked as oras-go and OpenTofu check it: status, Content-Type
@@ -195,10 +198,13 @@ class OpenTofuOciClient:
             raise OciCheckFailed(f"{len(chosen)} manifests for {os}_{arch}")
         return chosen[0]
 
-    def image(self, repository: str, descriptor: dict[str, Any]) -> dict[str, Any]:
-        """The platform's image manifest and its one archive/zip layer (sha256 digest)."""
+    def image(self, repository: str, descriptor: dict[str, Any],
+              artifact_type: str = TARGET) -> dict[str, Any]:
+        """An image manifest (a provider platform's, a module's) and its one archive/zip
+        layer (sha256 digest)."""
         manifest: dict[str, Any] = json.loads(self.fetch(repository, descriptor, "manifests"))
-        if manifest.get("mediaType") != MANIFEST or manifest.get("artifactType") != TARGET:
+        if manifest.get("mediaType") != MANIFEST or \
+                manifest.get("artifactType") != artifact_type:
             raise OciCheckFailed(f"image manifest: {manifest.get('mediaType')!r} "
                                  f"{manifest.get('artifactType')!r}")
         zips = [layer for layer in manifest.get("layers", [])
@@ -215,3 +221,11 @@ class OpenTofuOciClient:
         index = self.index(repository, self.resolve(repository, tag))
         layer = self.image(repository, self.select(index, os, arch))
         return self.fetch(repository, layer, "blobs"), "zh:" + layer["digest"][len("sha256:"):]
+
+    def install_module(self, repository: str, tag: str) -> bytes:
+        """`oci://REGISTRY/REPOSITORY?tag=TAG` as OpenTofu's module installer fetches it
+        (internal/getmodules/oci_getter.go): the tag resolved to an image manifest, that
+        manifest by digest, its one archive/zip layer; the zip's bytes."""
+        descriptor = self.resolve(repository, tag, MANIFEST, MODULE)
+        layer = self.image(repository, descriptor, MODULE)
+        return self.fetch(repository, layer, "blobs")
