@@ -40,7 +40,7 @@ from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
-from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes
+from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes, oci_error
 from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
@@ -95,7 +95,8 @@ def create_app(config: Config,
     app[METRICS_KEY] = metrics
     audit = AuditLog(config.server.audit_log)  # opened with the other resources
     app[AUDIT_KEY] = audit
-    add_routes(app, route_guard(metrics, config.auth), audit, more=[add_oci_routes])
+    add_routes(app, route_guard(metrics, config.auth), audit, more=[add_oci_routes],
+               unmatched_shapes={"/v2/": oci_error})
     app.on_response_prepare.append(response_prepared(metrics))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:

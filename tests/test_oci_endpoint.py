@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import json
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,12 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import load_config
+from proxy.core.executors import serving
+from proxy.core.metrics import Metrics
+from proxy.store import layout
+from proxy.store.disk import open_disk_storage
+from proxy.web.oci_tokens import issue_token, issued_token_name
+from proxy.web.url_signing import UrlSigner
 from tests.conftest import AppClient
 from tests.support.audit import eventually
 from tests.support.fake_registry import FakeRegistry
@@ -184,13 +191,24 @@ async def test_errors_have_the_oci_shape_and_codes(client: TestClient) -> None:
         "/v2/providers/registry.terraform.io/hashicorp/nope/tags/list": (404, "NAME_UNKNOWN"),
         "/v2/providers/unknown.example/hashicorp/null/tags/list": (404, "NAME_UNKNOWN"),
         "/v2/providers/registry.terraform.io/bad_ns!/null/tags/list": (400, "NAME_INVALID"),
-        f"{REPO}/tags/list?n=x": (400, "NAME_INVALID"),
+        f"{REPO}/tags/list?n=x": (400, "PAGINATION_NUMBER_INVALID"),
+        f"{REPO}/tags/list?n=%C2%B2": (400, "PAGINATION_NUMBER_INVALID"),
+        "/v2/_catalog": (404, "NAME_UNKNOWN"),
+        "/v2/providers/registry.terraform.io/hashicorp/null/referrers/x": (404, "NAME_UNKNOWN"),
     }
     for path, (status, code) in cases.items():
         response = await client.get(path)
         assert response.status == status, (path, await response.text())
         assert await _oci_error(response) == code, path
         assert response.headers["Docker-Distribution-API-Version"] == "registry/2.0"
+
+
+async def test_other_methods_under_v2_get_an_oci_405(client: TestClient) -> None:
+    for method in ("PUT", "DELETE", "POST"):
+        response = await client.request(method, f"{REPO}/manifests/3.2.1")
+        assert response.status == 405
+        assert await _oci_error(response) == "UNSUPPORTED"
+        assert "GET" in response.headers["Allow"]
 
 
 async def test_with_auth_a_401_challenges_for_the_token_flow(make: AppClient) -> None:
@@ -219,6 +237,38 @@ async def test_with_auth_a_401_challenges_for_the_token_flow(make: AppClient) ->
     await _index(client, headers={"Authorization": basic})  # Basic on the route itself
     forged = {"Authorization": f"Bearer {issued['token'][:-2]}xx"}
     assert (await client.get(f"{REPO}/tags/list", headers=forged)).status == 401
+
+
+async def test_an_issued_token_opens_only_v2_and_only_while_its_token_is_configured(
+        aiohttp_client: Any, write_config: Any) -> None:
+    configured = f'[auth]\ntokens = [{{ name = "ci", token = "{TOKEN}" }}]\n'
+    config = load_config(write_config(extra=configured), environ={})
+    client = await aiohttp_client(create_app(config))
+    basic = "Basic " + base64.b64encode(f"anyone:{TOKEN}".encode()).decode()
+    issued = (await (await client.get("/v2/token", headers={"Authorization": basic})).json())
+    bearer = {"Authorization": f"Bearer {issued['token']}"}
+    assert (await client.get(f"{REPO}/tags/list", headers=bearer)).status == 200
+    assert (await client.get("/v2/token", headers=bearer)).status == 401
+    assert (await client.get("/mirror/registry.terraform.io/hashicorp/null/index.json",
+                             headers=bearer)).status == 401
+    await client.close()
+    # The same name, another token (a rotation): what was issued for the old one is refused.
+    rotated = configured.replace(TOKEN, "a-rotated-token-0123456789abcdef")
+    again = await aiohttp_client(create_app(load_config(write_config(extra=rotated),
+                                                        environ={})))
+    refused = await again.get(f"{REPO}/tags/list", headers=bearer)
+    assert refused.status == 401
+
+
+def test_an_issued_token_expires() -> None:
+    signer = UrlSigner(b"k" * 32, ttl=-120)  # every token it issues has expired
+    issued, _lifetime = issue_token(signer, "ci", signer.binding(b"secret"))
+    assert issued_token_name(signer, issued, frozenset({signer.binding(b"secret")})) is None
+    fresh = UrlSigner(b"k" * 32, ttl=600)
+    issued, lifetime = issue_token(fresh, "ci", fresh.binding(b"secret"))
+    assert lifetime > 0
+    assert issued_token_name(fresh, issued, frozenset({fresh.binding(b"secret")})) == "ci"
+    assert issued_token_name(fresh, issued, frozenset({fresh.binding(b"other")})) is None
 
 
 async def test_without_auth_v2_answers_anonymously(client: TestClient) -> None:
@@ -272,3 +322,19 @@ async def test_oci_requests_and_bytes_are_in_the_metrics(client: TestClient,
         2 * len(release.zips["linux_amd64"])
     assert (sample(text, "tfproxy_cache_lookups_total", kind="archive", result="hit")
             or 0) >= 2
+
+
+async def test_a_layer_record_never_serves_a_package_under_another_digest(
+        client: TestClient, proxy_config: Any) -> None:
+    """A digest's record names a version and platform; if the package verified for them now
+    has another sha256 (pruned, then republished upstream), that digest is unknown."""
+    await _index(client)
+    stale = "ab" * 32
+    async with serving(), AsyncExitStack() as opened:
+        storage = await open_disk_storage(proxy_config.cache, Metrics(), opened)
+        await storage.index.set(layout.oci_layer_record(
+            "providers/registry.terraform.io/hashicorp/null", stale),
+            {"version": "3.2.1", "os": "linux", "arch": "amd64"})
+    response = await client.get(f"{REPO}/blobs/sha256:{stale}")
+    assert response.status == 404
+    assert await _oci_error(response) == "BLOB_UNKNOWN"

@@ -24,7 +24,7 @@ from proxy.core.metrics import Metrics
 from proxy.store import layout
 from proxy.store.disk import open_disk_storage
 from proxy.store.protocol import Storage
-from proxy.store.prune import prune
+from proxy.store.prune import PruneRules, prune
 from proxy.store.s3 import open_s3_storage
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
@@ -214,13 +214,38 @@ async def test_a_modules_oci_zip_goes_with_its_archive_and_without_one(
         assert gone_zip
         await storage.index.set(layout.module_zip_record(*gone_zip), {"sha256": "00"})
         done = await prune(storage, DAY, time.time())
-        assert done.reasons["module zip"] == 1 and done.orphaned_blobs == 1
-        assert done.orphaned_records == 1
+        # Two zips (one with its archive, one whose archive is gone), each with its record.
+        assert done.reasons["module zip"] == 2 and done.orphaned_blobs == 0
+        assert done.orphaned_records == 1 and done.kept == 1
         for module, stays in ((kept, True), (pruned, False), (alone, False)):
             assert (await storage.blobs.stat(layout.module_zip(*module)) is not None) == stays
             assert (await storage.index.get(layout.module_zip_record(*module)) is not None) \
-                == (stays or module == alone), module
+                == stays, module
         assert await storage.index.get(layout.module_zip_record(*gone_zip)) is None
+
+
+async def test_a_modules_oci_zip_counts_with_its_archive_against_a_size(
+        tmp_path: Path, proxy_config: Config) -> None:
+    async with serving(), AsyncExitStack() as opened:
+        storage = await open_disk_storage(proxy_config.cache, Metrics(), opened)
+        older, newer = (layout.parse_module_archive(
+            f"modules/registry.terraform.io/acme/{name}/aws/1.0.0.tar.gz")
+            for name in ("older", "newer"))
+        assert older and newer
+        for age, module in ((3 * DAY, older), (DAY, newer)):
+            await storage.blobs.put(layout.module_archive(*module), _chunks(b"t" * 100))
+            await storage.index.set(layout.module_archive_record(*module),
+                                    {"sha256": "00", "size": 100, "stored_as": None})
+            await storage.blobs.put(layout.module_zip(*module), _chunks(b"z" * 1000))
+            for key in (layout.module_archive(*module), layout.module_zip(*module)):
+                then = time.time() - age
+                os.utime(proxy_config.cache.dir / key, (then, then))
+        # 2 x 1100 bytes held; 1500 allowed: the older module and its zip go.
+        done = await prune(storage, None, time.time(),
+                           rules=PruneRules(to_size=1500))
+        assert done.reasons == {"least recently used": 1, "module zip": 1}
+        assert done.freed == 1100 and done.kept == 1
+        assert await storage.blobs.stat(layout.module_zip(*newer)) is not None
 
 
 async def _chunks(data: bytes):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from typing import BinaryIO
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _UNIX = 3
 _VERSION = 20  # "2.0": stored entries and directories
+_ZIP64_FROM = (1 << 31) - 1
 
 
 def _entry(name: str, mode: int) -> zipfile.ZipInfo:
@@ -50,7 +51,10 @@ def zip_from_packed(packed: BinaryIO, output: Path) -> None:
                         mode = 0o100755 if member.mode & 0o111 else 0o100644
                         data = tar.extractfile(member)
                         assert data is not None  # a regular file has data
-                        with archive.open(_entry(member.name, mode), "w") as sink:
+                        # Sizes past 2 GiB need zip64 headers, chosen by size: the same
+                        # tree still gives the same bytes.
+                        with archive.open(_entry(member.name, mode), "w",
+                                          force_zip64=member.size >= _ZIP64_FROM) as sink:
                             shutil.copyfileobj(data, sink, 1 << 20)
                     else:
                         raise ValueError(f"not a plain file or directory: {member.name!r}")

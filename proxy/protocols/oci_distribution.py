@@ -105,7 +105,14 @@ class OciProviders:
         layer = await self._layer(provider, hexdigest)
         if layer is None:
             raise BlobUnknown(f"{provider} has no blob {digest}: ask for its manifest first")
-        return await self._mirror.archive(provider, provider.archive_filename(*layer))
+        version, platform = layer
+        # The record names the package that had this digest; the one verified now may be
+        # another (pruned since, and republished upstream with other bytes).
+        if (await self._packages.package(provider, version, platform)).shasum != hexdigest:
+            raise BlobUnknown(f"{provider} {version} {platform.key} no longer has blob "
+                              f"{digest}: ask for its manifest again")
+        return await self._mirror.archive(provider, provider.archive_filename(version,
+                                                                                platform))
 
     # --- the index of a version ----------------------------------------------------------
 

@@ -153,40 +153,37 @@ async def _plan(storage: Storage, rules: PruneRules, now: float,
             orphaned.append(blob.info)
         else:
             candidates.append(blob)
+    # A module's OCI zip is made from its archive: it goes with the archive, counts with it
+    # against to_size, and goes when the archive is gone (made again after it is fetched).
+    zips = {layout.module_archive(*named): info for info in listed
+            if (named := layout.parse_module_zip(info.key)) is not None}
+
+    def with_zip(key: str) -> int:
+        return zips[key].size if key in zips else 0
+
     if rules.to_size is not None:
-        left = sum(blob.info.size for blob in described) \
-            - sum(info.size for info, _record, _why in chosen) - sum(i.size for i in orphaned)
+        left = sum(blob.info.size + with_zip(blob.info.key) for blob in described) \
+            - sum(info.size + with_zip(info.key) for info, _record, _why in chosen) \
+            - sum(i.size for i in orphaned)
         for blob in sorted(candidates, key=lambda blob: blob.last_used):
             if left <= rules.to_size:
                 break
             chosen.append((blob.info, blob.record if blob.recorded else None,
                            "least recently used"))
-            left -= blob.info.size
-    _follow_archives(listed, chosen, orphaned, settled_before)
+            left -= blob.info.size + with_zip(blob.info.key)
+    kept = len(described) - len(chosen) - len(orphaned)
+    going = {info.key for info, _record, _why in chosen}
+    for made_from, info in zips.items():
+        if made_from in going or (made_from not in held and info.mtime < settled_before):
+            named = layout.parse_module_zip(info.key)
+            assert named is not None
+            chosen.append((info, layout.module_zip_record(*named), "module zip"))
     gone_records = [record for record in [*module_records, *zip_records]
                     if (archive := layout.blob_of_record(record)) is not None
                     and archive not in held]
     stale_marks = [key for key, used in uses.items()
                    if key not in held and used < settled_before]
-    return _Plan(chosen, orphaned, gone_records, stale_marks,
-                 len(described) - len(chosen) - len(orphaned))
-
-
-def _follow_archives(listed: list[BlobInfo], chosen: list[tuple[BlobInfo, str | None, str]],
-                     orphaned: list[BlobInfo], settled_before: float) -> None:
-    """A module's OCI zip (made from its archive) goes with the archive, and when the
-    archive is gone (it is made again from the archive, which is fetched again first)."""
-    held = {info.key for info in listed}
-    going = {info.key for info, _record, _why in chosen}
-    for info in listed:
-        named = layout.parse_module_zip(info.key)
-        if named is None:
-            continue
-        archive = layout.module_archive(*named)
-        if archive in going:
-            chosen.append((info, layout.module_zip_record(*named), "module zip"))
-        elif archive not in held and info.mtime < settled_before:
-            orphaned.append(info)
+    return _Plan(chosen, orphaned, gone_records, stale_marks, kept)
 
 
 def _reason(rules: PruneRules, blob: HeldBlob, now: float) -> str | None:

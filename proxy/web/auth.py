@@ -24,6 +24,8 @@ from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 # The name of the token a request authenticated with (never the token: see AuthConfig).
 TOKEN_NAME_KEY = web.RequestKey("token_name", str)
+# The binding (UrlSigner.binding) of the token a request authenticated with.
+TOKEN_BINDING_KEY = web.RequestKey("token_binding", str)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
 # Pages for people: a browser cannot send a bearer token, but asks for a user name and
 # password when challenged with Basic; the password is the token.
@@ -124,16 +126,19 @@ def _token_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfi
     if index is None:
         return False
     request[TOKEN_NAME_KEY] = config.name_of(index)
+    request[TOKEN_BINDING_KEY] = request.app[SIGNER_KEY].binding(tokens[index])
     return True
 
 
-def _issued_token_ok(request: web.Request) -> bool:
-    """Whether the request presents a bearer token issued by /v2/token (still valid); notes
-    the name of the token it was issued for."""
+def _issued_token_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:
+    """Whether the request presents a bearer token issued by /v2/token (still valid, for a
+    token still configured); notes the name of the token it was issued for."""
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return False
-    name = issued_token_name(request.app[SIGNER_KEY], presented.strip())
+    signer = request.app[SIGNER_KEY]
+    name = issued_token_name(signer, presented.strip(),
+                             frozenset(signer.binding(token) for token in tokens))
     if name is None:
         return False
     if name:
@@ -155,7 +160,7 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
         if _token_ok(request, tokens, config, basic):
             return
         if oci:
-            if route != "oci_token" and _issued_token_ok(request):
+            if route != "oci_token" and _issued_token_ok(request, tokens):
                 return
             raise Unauthorized("credentials are required: log in with any user name and one "
                                "of the proxy's tokens as the password")

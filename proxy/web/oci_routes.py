@@ -24,7 +24,7 @@ from proxy.protocols.oci_manifests import EMPTY_CONFIG, EMPTY_CONFIG_BLOB, Docum
 from proxy.protocols.oci_modules import OciModules, module_repository
 from proxy.protocols.oci_records import BlobUnknown, DigestInvalid, ManifestUnknown
 from proxy.store.protocol import BlobInfo
-from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
+from proxy.web.auth import SIGNER_KEY, TOKEN_BINDING_KEY, TOKEN_NAME_KEY
 from proxy.web.oci_tokens import issue_token
 from proxy.web.responses import send_file
 from proxy.web.routes import ARCHIVES_KEY, METRICS_KEY, RouteAdder, public_base
@@ -38,6 +38,7 @@ API_VERSION = {"Docker-Distribution-API-Version": "registry/2.0"}
 SERVICE = "tf-registry-proxy"
 _BLOB_TYPE = "application/octet-stream"
 _MAX_PAGE = 10_000
+_PAGE_SIZE = re.compile(r"[0-9]{1,6}")  # ASCII digits only: str.isdigit takes "²"
 # A repository name as the distribution spec allows it: anything else stays out of a header.
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPOSITORY_NAME = re.compile(f"{_COMPONENT}(?:/{_COMPONENT})*")
@@ -65,11 +66,16 @@ async def token(request: web.Request) -> web.Response:
     if signer is None:
         issued, expires_in = "anonymous", 3600
     else:
-        issued, expires_in = issue_token(signer, request.get(TOKEN_NAME_KEY))
+        issued, expires_in = issue_token(signer, request.get(TOKEN_NAME_KEY),
+                                         request.get(TOKEN_BINDING_KEY))
     now = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return web.json_response({"token": issued, "access_token": issued,
                               "expires_in": expires_in, "issued_at": now},
                              headers={**API_VERSION, "Cache-Control": "no-store"})
+
+
+class PaginationInvalid(BadRequest):
+    """`n` is not a number of tags (OCI: PAGINATION_NUMBER_INVALID)."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +118,13 @@ async def tags_list(request: web.Request) -> web.Response:
     headers = dict(API_VERSION)
     wanted = request.query.get("n")
     if wanted is not None:
-        if not wanted.isdigit() or len(wanted) > 6:
-            raise BadRequest(f"n must be a number of tags, not {wanted[:20]!r}")
+        if not _PAGE_SIZE.fullmatch(wanted):
+            raise PaginationInvalid(f"n must be a number of tags, not {wanted[:20]!r}")
         count = min(int(wanted), _MAX_PAGE)
         if len(tags) > count > 0:
             # oras-go follows the first <...> whatever its rel; others follow rel="next".
-            headers["Link"] = (f'<{request.path}?n={count}&last={quote(tags[count - 1])}>; '
-                               'rel="next"')
+            headers["Link"] = (f'</v2/{repository.name}/tags/list?n={count}&last='
+                               f'{quote(tags[count - 1])}>; rel="next"')
         tags = tags[:count]
     return web.json_response({"name": repository.name, "tags": tags}, headers=headers)
 
@@ -183,6 +189,8 @@ def _code(request: web.Request, status: int, exc: Exception) -> str:
     """The OCI error code for an answer of status to request."""
     if isinstance(exc, DigestInvalid):
         return "DIGEST_INVALID"
+    if isinstance(exc, PaginationInvalid):
+        return "PAGINATION_NUMBER_INVALID"
     if isinstance(exc, ManifestUnknown):
         return "MANIFEST_UNKNOWN"
     if isinstance(exc, BlobUnknown):

@@ -1,7 +1,8 @@
 """Bearer tokens of the OCI token flow (https://distribution.github.io/distribution/spec/auth/token/):
 a client challenged on /v2 asks /v2/token with its credentials (a proxy token as the Basic
 password) and gets a short-lived token, signed like archive URLs (the same key and TTL), that
-names the token it was issued for. Pure: no I/O."""
+names the token it was issued for and carries that token's binding (UrlSigner.binding): it
+is refused once no configured token has that binding. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -17,18 +18,22 @@ _SIGNED_PATH = "/v2/token"
 _PREFIX = "tfproxy."
 
 
-def issue_token(signer: UrlSigner, token_name: str | None) -> tuple[str, int]:
-    """A bearer token for token_name (the credentials the client proved) and its lifetime
-    in seconds."""
+def issue_token(signer: UrlSigner, token_name: str | None,
+                binding: str | None) -> tuple[str, int]:
+    """A bearer token for token_name (the credentials the client proved, whose binding is
+    given; None for both with authentication off) and its lifetime in seconds."""
     expires = signer.expiry()
-    query = signer.query(_SIGNED_PATH, expires=expires, signed_for=token_name)
+    signed_for = None if binding is None else f"{binding}:{token_name or ''}"
+    query = signer.query(_SIGNED_PATH, expires=expires, signed_for=signed_for)
     encoded = base64.urlsafe_b64encode(query.encode()).decode().rstrip("=")
     return _PREFIX + encoded, max(0, expires - int(time.time()))
 
 
-def issued_token_name(signer: UrlSigner, presented: str) -> str | None:
-    """The name of the token an issued bearer token was given for, if it is one of ours and
-    has not expired; None otherwise. An issued token for an unnamed token names ''."""
+def issued_token_name(signer: UrlSigner, presented: str,
+                      bindings: frozenset[str]) -> str | None:
+    """The name of the token an issued bearer token was given for, if it is one of ours, has
+    not expired and that token is still configured (its binding is among bindings); None
+    otherwise."""
     if not presented.startswith(_PREFIX) or len(presented) > 1024:
         return None
     encoded = presented[len(_PREFIX):]
@@ -41,4 +46,5 @@ def issued_token_name(signer: UrlSigner, presented: str) -> str | None:
     signed_for = fields.get(SIGNED_FOR, [None])[0]
     if not signer.valid(_SIGNED_PATH, expires, signature, signed_for=signed_for):
         return None
-    return signed_for or ""
+    binding, _, name = (signed_for or "").partition(":")
+    return name if binding in bindings else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +31,7 @@ from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.audit_requests import audited
 from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
-from proxy.web.middleware import UNMATCHED, ErrorShape, Guard
+from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
 from proxy.web.responses import json_body_response, json_response, send_file
 from proxy.web.status_page import CONTENT_SECURITY_POLICY, render_status_page
 
@@ -288,10 +288,13 @@ async def unmatched(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
-               more: Sequence[Callable[[RouteAdder], None]] = ()) -> None:
+               more: Sequence[Callable[[RouteAdder], None]] = (),
+               unmatched_shapes: Mapping[str, ErrorShape] | None = None) -> None:
     """Every route the proxy serves, each handler wrapped by guard once (see route_guard);
     those that name an artifact write audit lines (inside the guard: after authentication,
-    before errors become answers). more: functions that add the routes of other APIs."""
+    before errors become answers). more: functions that add the routes of other APIs;
+    unmatched_shapes: the error shape of paths no route serves, by path prefix (an API's
+    own shape under its prefix)."""
     app[BODIES_KEY] = Derived(_HELD_BODIES)
 
     def get(path: str, handler: Handler, name: str, shape: ErrorShape | None = None) -> None:
@@ -316,5 +319,21 @@ def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
     # Last, and indexed under "/": the router tries it only after every route above, so
     # unmatched paths get the guard's odd-path check, JSON answer and count too. Any
     # character, a decoded newline as well: [\s\S].
-    app.router.add_route("*", "/{path:[\\s\\S]*}", guard(UNMATCHED, unmatched),
+    app.router.add_route("*", "/{path:[\\s\\S]*}",
+                         guard(UNMATCHED, unmatched, _by_prefix(unmatched_shapes or {})),
                          name=UNMATCHED)
+
+
+def _by_prefix(shapes: Mapping[str, ErrorShape]) -> ErrorShape | None:
+    """The error shape of the first prefix a path starts with; the plain JSON error else."""
+    if not shapes:
+        return None
+
+    def shape(request: web.Request, status: int, message: str,
+              exc: Exception) -> web.Response:
+        for prefix, chosen in shapes.items():
+            if request.path.startswith(prefix):
+                return chosen(request, status, message, exc)
+        return json_error(status, message)
+
+    return shape

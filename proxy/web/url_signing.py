@@ -33,6 +33,12 @@ class UrlSigner:
         text = f"{path}\n{expires}" if signed_for is None else f"{path}\n{expires}\n{signed_for}"
         return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
 
+    def binding(self, secret: bytes) -> str:
+        """A short MAC of a client token: what a credential issued for that token carries, so
+        that it stops working once the token is no longer configured (the token itself is
+        never in it)."""
+        return hmac.new(self._key, b"token\n" + secret, hashlib.sha256).hexdigest()[:32]
+
     def expiry(self, now: float | None = None) -> int:
         """When a URL signed now expires: the TTL from now, rounded down to the step."""
         at = int((time.time() if now is None else now) + self._ttl)
