@@ -19,6 +19,7 @@ from proxy.config.settings import (
     ConfigError,
     FiltersConfig,
     ModulesConfig,
+    ReleasesConfig,
     S3Config,
     Secret,
     ServerConfig,
@@ -31,6 +32,7 @@ from proxy.config.settings import (
 )
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
+from proxy.core.redaction import excerpt
 
 # S3's rules for a bucket name: 3-63 lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -51,7 +53,7 @@ class _Parser:
 
     def config(self) -> Config:
         self._unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters",
-                                     "auth"))
+                                     "auth", "releases"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
         self._unknown(cache_table, "cache.", (*ENV_KEYS["cache"], "s3"))
@@ -72,10 +74,36 @@ class _Parser:
         modules = self._modules(self._table(self.raw, "modules"), upstream)
         filters = self._filters(self._table(self.raw, "filters"))
         auth = self._auth(self._table(self.raw, "auth"))
+        releases = self._releases(self._table(self.raw, "releases"))
         if self.problems:
             raise ConfigError(self.problems)
         return Config(server=server, cache=cache, upstream=upstream, modules=modules,
-                      filters=filters, auth=auth)
+                      filters=filters, auth=auth, releases=releases)
+
+    def _releases(self, table: dict[str, Any]) -> ReleasesConfig:
+        self._unknown(table, "releases.", ENV_KEYS["releases"])
+        defaults = ReleasesConfig()
+
+        def url(key: str, directory: bool) -> str:
+            value = self._str(f"releases.{key}", table, key)
+            if value is None:
+                return str(getattr(defaults, key))
+            if value and not _is_https_url(value):
+                self.problems.append(f"releases.{key}: expected an https:// URL (or \"\" to "
+                                     f"serve none), got {excerpt(value, 100)!r}")
+            return value + "/" if directory and value and not value.endswith("/") else value
+
+        def keys(key: str) -> Path | None:
+            path = self._path(f"releases.{key}", table, key)
+            if path is not None and not path.is_file():
+                self.problems.append(f"releases.{key}: {str(path)!r} is not a readable file "
+                                     "of armored OpenPGP public keys")
+            return path
+
+        return ReleasesConfig(
+            terraform_url=url("terraform_url", True), opentofu_url=url("opentofu_url", True),
+            opentofu_list_url=url("opentofu_list_url", False),
+            terraform_keys=keys("terraform_keys"), opentofu_keys=keys("opentofu_keys"))
 
     def _s3(self, table: dict[str, Any]) -> S3Config | None:
         self._unknown(table, "cache.s3.", ENV_KEYS["cache.s3"])
@@ -475,3 +503,13 @@ def _parse_listen(value: object) -> tuple[str, int] | None:
         return None
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def _is_https_url(value: str) -> bool:
+    """An https:// URL with a host, and without credentials (they would show in logs)."""
+    try:
+        parts = urlsplit(value)
+        return parts.scheme == "https" and bool(parts.hostname) and not parts.username \
+            and parts.port != 0
+    except ValueError:
+        return False

@@ -230,6 +230,26 @@ class FiltersConfig:
 
 
 @dataclass(frozen=True)
+class ReleasesConfig:
+    """Where the Terraform and OpenTofu CLI releases come from (a URL set to "" serves none
+    of that product), and the keys their SHA256SUMS must be signed by (None: the key the
+    proxy ships for that product)."""
+
+    terraform_url: str = "https://releases.hashicorp.com/"
+    opentofu_url: str = "https://github.com/opentofu/opentofu/releases/download/"
+    # OpenTofu's release list in the TofuDL mirror format (versions and their files).
+    opentofu_list_url: str = "https://get.opentofu.org/tofu/api.json"
+    terraform_keys: Path | None = None
+    opentofu_keys: Path | None = None
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every upstream URL configured (the hosts the proxy may fetch releases from)."""
+        return tuple(u for u in (self.terraform_url, self.opentofu_url,
+                                 self.opentofu_list_url) if u)
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
@@ -239,6 +259,7 @@ class Config:
     modules: ModulesConfig = field(default_factory=ModulesConfig)
     filters: FiltersConfig = field(default_factory=FiltersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    releases: ReleasesConfig = field(default_factory=ReleasesConfig)
 
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set (a nested table's
@@ -254,6 +275,8 @@ ENV_KEYS = {
                  "metadata_timeout", "download_timeout", "max_archive_size",
                  "max_concurrent_fills"),
     "modules": ("default_host", "max_archive_size", "git_timeout"),
+    "releases": ("terraform_url", "opentofu_url", "opentofu_list_url", "terraform_keys",
+                 "opentofu_keys"),
 }
 
 

@@ -80,7 +80,7 @@ SERVED_FACTS: contextvars.ContextVar[ServedFacts | None] = contextvars.ContextVa
 class Artifact:
     """What a line is about: a provider (package) or a registry module, as far as known."""
 
-    kind: str  # "provider" or "module"
+    kind: str  # "provider", "module" or "cli"
     host: str
     namespace: str
     name: str  # the provider's type or the module's name
@@ -102,10 +102,17 @@ class Artifact:
         return cls("module", address.hostname, address.namespace, address.name, version,
                    system=address.system)
 
+    @classmethod
+    def release(cls, product: str, version: str | None = None,
+                platform_key: str | None = None) -> Artifact:
+        """A CLI (terraform, opentofu), one of its releases, or one archive of it."""
+        os, _, arch = (platform_key or "").partition("_")
+        return cls("cli", "", "", product, version, os or None, arch or None)
+
     def label(self) -> str:
         """As operators read it: `provider HOST/NS/TYPE VERSION OS_ARCH`, `module
-        HOST/NS/NAME/SYSTEM VERSION` (as far as known)."""
-        address = f"{self.host}/{self.namespace}/{self.name}"
+        HOST/NS/NAME/SYSTEM VERSION`, `cli terraform VERSION OS_ARCH` (as far as known)."""
+        address = f"{self.host}/{self.namespace}/{self.name}" if self.host else self.name
         if self.system is not None:
             address += f"/{self.system}"
         parts = [self.kind, address, self.version,
@@ -118,7 +125,7 @@ class Artifact:
                  "type" if self.kind == "provider" else "name": self.name,
                  "version": self.version, "os": self.os, "arch": self.arch,
                  "system": self.system}
-        return {key: value for key, value in named.items() if value is not None}
+        return {key: value for key, value in named.items() if value}
 
 
 def refusal(exc: ProxyError) -> str:

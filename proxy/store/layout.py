@@ -3,11 +3,12 @@ here, and nowhere else. Callers ask for keys by what they name; a backend maps k
 dict entries or object names (see proxy.store.protocol).
 
 Blobs: `archives/HOST/NAMESPACE/TYPE/VERSION/terraform-provider-TYPE_VERSION_OS_ARCH.zip`
-and `modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz` (and `VERSION.zip`, the same module
-as an OCI layer). Index documents: `package/...`, `sums/...`, `versions/...`,
-`module-archive/...`, `module-versions/...`, `module-zip/...`, `oci-manifests/...`,
-`oci-layers/...`. These are the paths the cache directory has always used: a cache written by
-an earlier release reads as is."""
+`modules/HOST/NAMESPACE/NAME/SYSTEM/VERSION.tar.gz` (and `VERSION.zip`, the same module
+as an OCI layer) and `releases/PRODUCT/VERSION/FILE` (CLI release archives). Index
+documents: `package/...`, `sums/...`, `versions/...`, `module-archive/...`,
+`module-versions/...`, `module-zip/...`, `oci-manifests/...`, `oci-layers/...`,
+`release/...`, `release-file/...`, `release-versions/...`. These are the paths the cache
+directory has always used: a cache written by an earlier release reads as is."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from proxy.store.protocol import BlobInfo
 
 PROVIDER_AREA = "archives"
 MODULE_AREA = "modules"
+RELEASE_AREA = "releases"
 # The blob areas, in the order the disk backend counts and evicts them.
-AREAS = (PROVIDER_AREA, MODULE_AREA)
+AREAS = (PROVIDER_AREA, MODULE_AREA, RELEASE_AREA)
 # Under cache.dir: where an object-store backend keeps its local hot copies.
 HOT_COPIES_DIR = "s3"
 _MODULE_SUFFIX = ".tar.gz"
@@ -87,6 +89,24 @@ def parse_module_archive(key: str) -> tuple[ModuleAddress, str] | None:
     if not version:
         return None
     return ModuleAddress(parts[1], parts[2], parts[3], parts[4]), version
+
+
+def release_file(product: str, version: str, filename: str) -> str:
+    """The key of a CLI release's archive (product and file name already checked)."""
+    return f"{RELEASE_AREA}/{product}/{version}/{filename}"
+
+
+def release_prefix(product: str) -> str:
+    """The prefix of every stored archive of a product's releases."""
+    return f"{RELEASE_AREA}/{product}/"
+
+
+def parse_release_file(key: str) -> tuple[str, str, str] | None:
+    """The product, version and file name a release archive key names; None for another."""
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0] != RELEASE_AREA or not all(parts[1:]):
+        return None
+    return parts[1], parts[2], parts[3]
 
 
 # --- index documents -----------------------------------------------------------------------
@@ -187,6 +207,22 @@ def blob_of_record(key: str) -> str | None:
 
 MODULE_ARCHIVE_RECORDS = "module-archive/"
 MODULE_ZIP_RECORDS = "module-zip/"
+RELEASE_RECORDS = "release/"
+
+
+def release_record(product: str, version: str) -> str:
+    """The index key of a release's verified SHA256SUMS and the signatures served with it."""
+    return f"{RELEASE_RECORDS}{product}/{version}"
+
+
+def release_file_record(product: str, version: str, filename: str) -> str:
+    """The index key of a stored release archive's sha256 and identity."""
+    return f"release-file/{product}/{version}/{filename}"
+
+
+def release_list_record(product: str) -> str:
+    """The index key of a product's release list (versions and their files)."""
+    return f"release-versions/{product}"
 # Fill leases (`leases/NAME`, with an `expires_at`): what a replica that died mid-fill
 # leaves behind, until prune removes it.
 LEASE_RECORDS = "leases/"
@@ -207,3 +243,9 @@ def module_fill(module: ModuleAddress, version: str) -> str:
 def module_zip_fill(module: ModuleAddress, version: str) -> str:
     """The fill-lock name of making one module version's zip."""
     return f"module-zip/{module}/{version}"
+
+
+def release_fill(product: str, version: str, filename: str) -> str:
+    """The fill-lock name of one release file (and of its SHA256SUMS check: the file name
+    SHA256SUMS)."""
+    return f"release/{product}/{version}/{filename}"

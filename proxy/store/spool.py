@@ -53,11 +53,11 @@ async def _published(store: BlobStore, final: BlobInfo) -> AsyncIterator[bytes]:
 
 async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes],
                         expected_sha256: str, progress: GrowingFile[BlobInfo] | None = None,
-                        published: Callable[[StoredArchive], Awaitable[None]] | None = None
-                        ) -> StoredArchive:
-    """Write a provider zip to a spool (readers may follow it through `progress`), check
-    sha256 and that it is a zip, publish it at key, then await `published` (recording what
-    vouches for the blob) before the readers get the end of it."""
+                        published: Callable[[StoredArchive], Awaitable[None]] | None = None,
+                        is_zip: bool = True) -> StoredArchive:
+    """Write a provider zip (or another archive: not is_zip) to a spool (readers may follow
+    it through `progress`), check sha256 and that it is a zip, publish it at key, then await
+    `published` (recording what vouches for the blob) before the readers get the end of it."""
     temp = progress.temp if progress is not None else store.spool_path()
     size = 0
     spool: _SpoolWriter | None = None
@@ -97,7 +97,7 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
                                  f"signed checksum {expected_sha256}")
         # Reading the zip's directory is quick; the full h1 pass comes after publishing,
         # so that readers following the download are not held up by it.
-        if not await quick(zipfile.is_zipfile, temp):
+        if is_zip and not await quick(zipfile.is_zipfile, temp):
             raise IntegrityError("archive", "package is not a valid zip")
         info = await store.publish(key, temp)
         stored = StoredArchive(info, actual)

@@ -21,7 +21,8 @@ def issuer_of(sig: pysequoia.Sig) -> str | None:
     return str(issuer)[-16:].upper() if issuer else None
 
 
-def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str]) -> str:
+def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str],
+                    whose: str = "upstream's signing keys") -> str:
     """Check that `signature` is a valid signature over `data` by one of `armored_keys`.
 
     Returns the fingerprint of the key that signed. Raises IntegrityError otherwise, naming
@@ -55,11 +56,11 @@ def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str]) 
         first_line = (str(exc).splitlines()[0].rstrip(".") if str(exc)
                       else type(exc).__name__)
         raise IntegrityError("signature", "SHA256SUMS signature does not verify with "
-                             f"upstream's signing keys ({named}): {first_line}",
+                             f"{whose} ({named}): {first_line}",
                              signed_by=issuer, keys_tried=tried) from None
     valid = list(getattr(result, "valid_sigs", []) or [])
     if not valid:
         raise IntegrityError("signature", "SHA256SUMS signature does not verify with "
-                             f"upstream's signing keys ({named})",
+                             f"{whose} ({named})",
                              signed_by=issuer, keys_tried=tried)
     return str(valid[0].certificate)
