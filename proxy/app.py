@@ -23,6 +23,7 @@ from proxy.protocols.oci_distribution import OciProviders
 from proxy.protocols.oci_modules import OciModules
 from proxy.protocols.oci_records import OciRecords
 from proxy.protocols.provider_registry import ProviderRegistryService
+from proxy.protocols.releases import CliReleases
 from proxy.protocols.status import StatusReport, snapshot_directory
 from proxy.store.disk import open_disk_for_commands, open_disk_storage
 from proxy.store.protocol import Storage, StorageOpener
@@ -35,12 +36,15 @@ from proxy.upstream.http import UpstreamHTTP, close_session, make_session
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
 from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.upstream.releases import ReleasesClient
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
+from proxy.verification.releases import ReleaseKeyError, load_release_keys
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
 from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes, oci_error
+from proxy.web.release_routes import RELEASES_KEY, add_release_routes
 from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
@@ -95,7 +99,8 @@ def create_app(config: Config,
     app[METRICS_KEY] = metrics
     audit = AuditLog(config.server.audit_log)  # opened with the other resources
     app[AUDIT_KEY] = audit
-    add_routes(app, route_guard(metrics, config.auth), audit, more=[add_oci_routes],
+    add_routes(app, route_guard(metrics, config.auth), audit,
+               more=[add_oci_routes, add_release_routes],
                unmatched_shapes={"/v2/": oci_error})
     app.on_response_prepare.append(response_prepared(metrics))
 
@@ -134,7 +139,7 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
                           SnapshotShare(snapshot_directory(config)))
     await opened.enter_async_context(status.sharing())
     app[STATUS_KEY] = status
-    egress = EgressPolicy.from_config(config.upstream)
+    egress = EgressPolicy.from_config(config.upstream, config.releases.urls)
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)
     http = UpstreamHTTP(session, config.upstream, metrics, egress, activity)
@@ -170,6 +175,15 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     oci_modules = OciModules(modules, archives, cache, oci_records, config.upstream)
     opened.push_async_callback(oci_modules.close)
     app[OCI_MODULES_KEY] = oci_modules
+    try:
+        release_keys = await quick(load_release_keys, config.releases)
+    except (OSError, ReleaseKeyError) as exc:
+        raise ProxyError(f"releases: the release keys cannot be read: {exc}") from None
+    releases = CliReleases(
+        ReleasesClient(http, config.releases, config.upstream.max_archive_size), archives,
+        cache, release_keys, config.upstream, metrics, activity, audit)
+    opened.push_async_callback(releases.close)
+    app[RELEASES_KEY] = releases
 
 
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:

@@ -63,6 +63,9 @@ def registry_server(upstream_ca: trustme.CA, signer: GpgKey, impostor: GpgKey,
     server.add_release("hashicorp", "null", "3.2.1")
     server.add_release("hashicorp", "null", "3.1.0")
     server.add_release("hashicorp", "random", "3.6.0")
+    for product, version in (("terraform", "1.11.4"), ("terraform", "1.10.5"),
+                             ("opentofu", "1.9.0"), ("opentofu", "1.8.8")):
+        server.cli.add(product, version)
     server.start()
     publish_modules(server, tmp_path_factory.mktemp("module-sources"))
     yield server

@@ -193,13 +193,15 @@ class EgressPolicy:
                                     (*RESERVED_INTERNAL_ZONES, *internal_zones))
 
     @classmethod
-    def from_config(cls, config: UpstreamConfig) -> EgressPolicy:
-        """Trust the configured registry hosts and service URL hosts, each on its own port;
-        the outbound proxy is trusted as a place to connect to, not as a target."""
+    def from_config(cls, config: UpstreamConfig, urls: Iterable[str] = ()) -> EgressPolicy:
+        """Trust the configured registry hosts, service URL hosts and the hosts of urls
+        (other configured upstreams: the CLI releases), each on its own port; the outbound
+        proxy is trusted as a place to connect to, not as a target."""
         hosts = set(config.all_hosts)  # `host` or `host:port`, as normalized by the config
         for host_config in config.hosts.values():
             for url in host_config.services.values():
                 hosts.add(_url_endpoint(url))
+        hosts.update(_url_endpoint(url) for url in urls)
         proxies = {_url_endpoint(proxy) for scheme, proxy in urllib.request.getproxies().items()
                    if scheme == "https"}  # the one every outbound request may use
         hosts.discard("")

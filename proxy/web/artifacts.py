@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from proxy.core import models
 from proxy.core.audit import Artifact
-from proxy.core.errors import BadRequest
+from proxy.core.errors import BadRequest, NotFound
+from proxy.core.releases import OPENTOFU, TERRAFORM, parse_release_version
 from proxy.protocols.oci_manifests import EMPTY_CONFIG, version_of
 from proxy.protocols.oci_records import digest_hex, is_digest
 from proxy.verification.packages import SUMS_ID
@@ -19,9 +20,11 @@ _PROVIDER_ROUTES = ("mirror", "provider_versions", "provider_download", "provide
 _MODULE_ROUTES = ("module_versions", "module")
 _OCI_ROUTES = ("oci_tags", "oci_manifest", "oci_blob")
 _OCI_MODULE_ROUTES = ("oci_module_tags", "oci_module_manifest", "oci_module_blob")
+_RELEASE_ROUTES = ("releases_file", "releases_tofu_file", "releases_version",
+                   "releases_version_index")
 # The routes that can name one.
 ARTIFACT_ROUTES = frozenset(_PROVIDER_ROUTES + _MODULE_ROUTES + _OCI_ROUTES
-                            + _OCI_MODULE_ROUTES)
+                            + _OCI_MODULE_ROUTES + _RELEASE_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,9 @@ def named_artifact(route: str, params: Mapping[str, str]) -> Named | None:
             return _module(route, params)
         if route in _OCI_ROUTES or route in _OCI_MODULE_ROUTES:
             return _oci(route, params)
-    except BadRequest:
+        if route in _RELEASE_ROUTES:
+            return _release(route, params)
+    except (BadRequest, NotFound):
         return None
     return None
 
@@ -113,3 +118,21 @@ def _oci(route: str, params: Mapping[str, str]) -> Named | None:
     digest = params["digest"]
     digest_hex(digest)
     return Named(whole, is_file=digest != EMPTY_CONFIG["digest"])
+
+
+def _release(route: str, params: Mapping[str, str]) -> Named | None:
+    """A CLI release (its index or files page), or one of its files (an archive: the file
+    served)."""
+    if route == "releases_tofu_file":
+        product, tag = OPENTOFU, params["tag"]
+        if not tag.startswith("v"):
+            return None
+        version = parse_release_version(tag)
+    else:
+        product, version = TERRAFORM, parse_release_version(params["version"])
+    if route in ("releases_version", "releases_version_index"):
+        return Named(Artifact.release(product.name, version))
+    filename = params["file"]
+    is_archive = product.kind_of(version, filename) == "archive"
+    return Named(Artifact.release(product.name, version, product.platform_of(version, filename)),
+                 is_file=is_archive)

@@ -34,6 +34,11 @@ BASIC_ROUTES = frozenset({"status_page", "status_json"})
 # and password (the token, as Basic or through the token flow at /v2/token: oci_tokens).
 OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oci_blob",
                         "oci_module_tags", "oci_module_manifest", "oci_module_blob"})
+# The CLI releases mirror: version managers send Basic credentials (tenv's TFENV_REMOTE_USER
+# and _PASSWORD, a user:password@ in the remote URL) or a bearer token; no signed URLs.
+RELEASE_ROUTES = frozenset({"releases_keys", "releases_list", "releases_index",
+                            "releases_version", "releases_version_index", "releases_file",
+                            "releases_tofu_list", "releases_tofudl", "releases_tofu_file"})
 Authenticate = Callable[[web.Request], None]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
@@ -154,7 +159,8 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
     tokens = tuple(t.value.encode() for t in config.tokens)
     sums = route == "provider_sums"
     oci = route in OCI_ROUTES
-    basic = route in BASIC_ROUTES or oci
+    release = route in RELEASE_ROUTES
+    basic = route in BASIC_ROUTES or oci or release
 
     def authenticate(request: web.Request) -> None:
         if _token_ok(request, tokens, config, basic):
@@ -164,7 +170,7 @@ def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
                 return
             raise Unauthorized("credentials are required: log in with any user name and one "
                                "of the proxy's tokens as the password")
-        if sums or request.path.endswith(_ARCHIVE_SUFFIXES):
+        if sums or (not release and request.path.endswith(_ARCHIVE_SUFFIXES)):
             signer = request.app[SIGNER_KEY]
             signed_for = request.query.get(SIGNED_FOR)
             if signer.valid(request.path, request.query.get(EXPIRES),

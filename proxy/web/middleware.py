@@ -16,7 +16,7 @@ from prometheus_client import Counter
 from proxy.config.settings import AuthConfig
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.metrics import Metrics
-from proxy.web.auth import BASIC_ROUTES, route_authentication
+from proxy.web.auth import BASIC_ROUTES, RELEASE_ROUTES, route_authentication
 from proxy.web.error_warnings import ErrorWarnings
 from proxy.web.responses import PREPARED_RESPONSE_KEY, abort_after_headers, error_body
 
@@ -184,7 +184,8 @@ def _error_response(request: web.Request, route: str, exc: Exception,
         response = json_error(exc.status, exc.message)
         if exc.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="tf-registry-proxy"'
-            if route in BASIC_ROUTES:  # a browser prompts for the token as a password
+            # A browser prompts for the token as a password; version managers send it so.
+            if route in BASIC_ROUTES or route in RELEASE_ROUTES:
                 response.headers.add("WWW-Authenticate",
                                      'Basic realm="tf-registry-proxy", charset="UTF-8"')
         return response

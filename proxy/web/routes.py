@@ -53,7 +53,8 @@ _HELD_BODIES = 4096
 # What adds one GET (and HEAD) route: path, handler, name, and how its errors are answered.
 RouteAdder = Callable[[str, Handler, str, ErrorShape | None], None]
 # The routes whose answers stream a file: a failure mid-body cuts them off (aborted_responses).
-FILE_ROUTES = ("mirror", "module", "oci_blob", "oci_module_blob")
+FILE_ROUTES = ("mirror", "module", "oci_blob", "oci_module_blob", "releases_file",
+               "releases_tofu_file")
 
 
 async def healthz(_request: web.Request) -> web.Response:

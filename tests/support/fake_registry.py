@@ -23,6 +23,7 @@ from pathlib import Path
 import trustme
 from aiohttp import web
 
+from tests.support.fake_releases import CliReleases
 from tests.support.gpg import GpgKey
 
 DEFAULT_PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
@@ -99,6 +100,8 @@ class FakeRegistry:
         self._in_flight = 0
         self._last_request = 0.0
         self.faults: set[str] = set()
+        # Terraform and OpenTofu CLI releases, on this server too (their own routes).
+        self.cli = CliReleases(signer, impostor, self.faults)
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
         self.url_token = 0
@@ -232,6 +235,7 @@ class FakeRegistry:
         app.router.add_get("/to-localhost/{tail:.*}", self._to_localhost)
         # A bare git repository served as static files is the "dumb HTTP" git protocol.
         app.router.add_static("/git/", self.git_root)
+        self.cli.add_routes(app)
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.ca.issue_cert("127.0.0.1", "localhost", *EXTRA_NAMES).configure_cert(context)
         self._runner = web.AppRunner(app)
@@ -241,6 +245,7 @@ class FakeRegistry:
         server = site._server
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.cli.url = self.url
 
     @web.middleware
     async def _log_and_faults(self, request: web.Request, handler: object) -> web.StreamResponse:

@@ -1,0 +1,161 @@
+"""What makes a CLI release trusted: its SHA256SUMS signed (OpenPGP) by a configured release
+key (HashiCorp's or OpenTofu's, shipped with the proxy, replaceable in config), and each
+archive's sha256 equal to the signed line. Pure but for reading key files."""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pysequoia
+
+from proxy.config.settings import ReleasesConfig
+from proxy.core.errors import IntegrityError
+from proxy.core.releases import OPENTOFU, TERRAFORM, Product
+from proxy.upstream.documents import parse_sha256sums
+from proxy.verification.signatures import verify_detached
+
+_ARMORED = re.compile(r"-----BEGIN PGP PUBLIC KEY BLOCK-----.*?-----END PGP PUBLIC KEY BLOCK-----",
+                      re.S)
+SHIPPED_KEYS = {TERRAFORM.name: "hashicorp.asc", OPENTOFU.name: "opentofu.asc"}
+
+
+class ReleaseKeyError(ValueError):
+    """A configured key file holds no usable OpenPGP public key."""
+
+
+@dataclass(frozen=True)
+class ReleaseKeys:
+    """The armored public keys one product's SHA256SUMS must be signed by."""
+
+    armored: tuple[str, ...]
+    fingerprints: tuple[str, ...]
+    source: str  # the file they came from, for messages
+
+    @property
+    def text(self) -> str:
+        """All of them, as one armored file (what clients are given to verify with)."""
+        return "\n".join(self.armored) + "\n"
+
+
+def load_release_keys(config: ReleasesConfig) -> dict[str, ReleaseKeys]:
+    """The keys of each product: its configured file, else the one shipped. Raises
+    ReleaseKeyError naming the file when one holds no key."""
+    configured = {TERRAFORM.name: config.terraform_keys, OPENTOFU.name: config.opentofu_keys}
+    keys = {}
+    for product, path in configured.items():
+        if path is None:
+            shipped = resources.files("proxy.verification") / "release_keys" / \
+                SHIPPED_KEYS[product]
+            keys[product] = parse_keys(shipped.read_text(encoding="ascii"),
+                                       f"the shipped {SHIPPED_KEYS[product]}")
+        else:
+            keys[product] = parse_keys(Path(path).read_text(encoding="utf-8", errors="replace"),
+                                       str(path))
+    return keys
+
+
+def parse_keys(text: str, source: str) -> ReleaseKeys:
+    """Every armored public key in text (ReleaseKeyError if none parses)."""
+    armored, fingerprints = [], []
+    for block in _ARMORED.findall(text):
+        try:
+            cert = pysequoia.Cert.from_bytes(block.encode())
+        except Exception:
+            continue
+        armored.append(block)
+        fingerprints.append(str(cert.fingerprint).upper())
+    if not armored:
+        raise ReleaseKeyError(f"{source} holds no armored OpenPGP public key")
+    return ReleaseKeys(tuple(armored), tuple(fingerprints), source)
+
+
+@dataclass(frozen=True)
+class VerifiedRelease:
+    """A release whose SHA256SUMS verified: the files served as published with it."""
+
+    product: str
+    version: str
+    sums: bytes
+    signatures: dict[str, bytes]  # by file name, each one verified
+    signed_by: str  # the fingerprint of the key that made the first of them
+    extras: dict[str, bytes] = field(default_factory=dict)  # served, not checked (cosign)
+
+    @property
+    def checksums(self) -> dict[str, str]:
+        """sha256 by file name, from the signed SHA256SUMS."""
+        return parse_sha256sums(self.sums)
+
+    def small_files(self, product: Product) -> dict[str, bytes]:
+        """Every file served from this record, by name."""
+        return {product.sums_name(self.version): self.sums, **self.signatures, **self.extras}
+
+    def to_record(self) -> dict[str, Any]:
+        """As the index keeps it."""
+        return {"sums": _b64(self.sums), "signed_by": self.signed_by,
+                "signatures": {k: _b64(v) for k, v in self.signatures.items()},
+                "extras": {k: _b64(v) for k, v in self.extras.items()}}
+
+    @classmethod
+    def from_record(cls, product: str, version: str, record: Mapping[str, Any]
+                    ) -> VerifiedRelease:
+        """From the index (ValueError, KeyError, TypeError: not such a record)."""
+        return cls(product, version, base64.b64decode(record["sums"], validate=True),
+                   {str(k): base64.b64decode(v, validate=True)
+                    for k, v in dict(record["signatures"]).items()},
+                   str(record["signed_by"]),
+                   {str(k): base64.b64decode(v, validate=True)
+                    for k, v in dict(record.get("extras") or {}).items()})
+
+
+def verify_release(product: Product, version: str, sums: bytes,
+                   signatures: Mapping[str, bytes], keys: ReleaseKeys,
+                   extras: Mapping[str, bytes] | None = None) -> VerifiedRelease:
+    """The release, keeping the signatures that verify with keys; IntegrityError (the first
+    failure, naming the keys tried) when none does."""
+    whose = f"the {product.name} release keys ({keys.source})"
+    verified: dict[str, bytes] = {}
+    signed_by = ""
+    failure: IntegrityError | None = None
+    for name, signature in signatures.items():
+        try:
+            fingerprint = verify_detached(sums, signature, keys.armored, whose)
+        except IntegrityError as exc:
+            failure = failure or exc
+            continue
+        verified[name] = signature
+        signed_by = signed_by or fingerprint
+    if not verified:
+        raise failure or IntegrityError("signature", f"{product.name} {version} publishes no "
+                                        "signature over its SHA256SUMS")
+    if not parse_sha256sums(sums):
+        raise IntegrityError("checksum", f"{product.name} {version}: its SHA256SUMS lists no "
+                             "file")
+    return VerifiedRelease(product.name, version, sums, verified, signed_by,
+                           dict(extras or {}))
+
+
+def signature_candidates(product: Product, version: str,
+                         keys: ReleaseKeys) -> list[str]:
+    """The signature files to fetch for a version: HashiCorp's `.KEYID.sig` of each key
+    configured and the plain `.sig` (releases before 2021 have a plain one by a key since
+    revoked; the keyed one is by the current key); OpenTofu's `.gpgsig`."""
+    sums = product.sums_name(version)
+    if product is OPENTOFU:
+        return [f"{sums}.gpgsig"]
+    keyed = [f"{sums}.{fingerprint[-8:]}.sig" for fingerprint in keys.fingerprints]
+    return [*dict.fromkeys(keyed), f"{sums}.sig"]
+
+
+def extra_names(product: Product, version: str) -> Sequence[str]:
+    """The files served as published beside the verified ones (OpenTofu's cosign files)."""
+    return [product.sums_name(version) + suffix for suffix in product.extra_suffixes]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")

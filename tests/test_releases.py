@@ -1,0 +1,283 @@
+"""The CLI releases mirror (/releases/), in-process against the fake upstream: the trees
+version managers read, files byte for byte, verification against the release keys,
+single-flight and streaming fills, offline, hostile input and auth."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient
+
+from proxy.app import create_app
+from proxy.config import load_config
+from tests.support.audit import eventually
+from tests.support.fake_registry import FakeRegistry
+from tests.support.fake_releases import CliRelease, release_requests
+from tests.support.gpg import GpgKey
+from tests.support.metrics import sample
+
+TF = "/releases/terraform"
+TOFU = "/releases/opentofu/opentofu/releases/download"
+TOKEN = "a-releases-test-token-0123456789"
+Make = Callable[..., Awaitable[TestClient]]
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path, signer: GpgKey) -> Path:
+    path = tmp_path / "release-keys.asc"
+    path.write_text(signer.armored_public_key)
+    return path
+
+
+@pytest.fixture
+def make_releases(aiohttp_client: Any, write_config: Any, registry: FakeRegistry,
+                  keys_file: Path) -> Make:
+    """A client of a proxy whose [releases] are the fake upstream's (extra: more config)."""
+
+    async def build(extra: str = "", upstream_extra: str = "", **env: str) -> TestClient:
+        text = registry.cli.toml(keys_file) + extra
+        environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
+        config = load_config(write_config(extra=text, upstream_extra=upstream_extra),
+                             environ=environ)
+        return await aiohttp_client(create_app(config))  # type: ignore[no-any-return]
+
+    return build
+
+
+def _terraform(registry: FakeRegistry, version: str = "1.11.4") -> CliRelease:
+    return registry.cli.releases[("terraform", version)]
+
+
+async def _get(client: TestClient, path: str, status: int = 200) -> bytes:
+    response = await client.get(path)
+    body = await response.read()
+    assert response.status == status, (path, body[:300])
+    return body
+
+
+async def test_the_terraform_tree_lists_versions_newest_first_with_links_on_the_proxy(
+        make_releases: Make) -> None:
+    client = await make_releases()
+    for path in (f"{TF}/", TF):  # tfenv asks with the slash, tenv without
+        page = (await _get(client, path)).decode()
+        # tfenv greps every version-like string out of the page: only versions, newest first.
+        assert list(dict.fromkeys(re.findall(r"[0-9]+\.[0-9]+\.[0-9]+", page))) == \
+            ["1.11.4", "1.10.5"]
+        hrefs = re.findall(r'href="([^"]+)"', page)
+        assert hrefs == [f"{TF}/1.11.4/", f"{TF}/1.10.5/"]
+    listing = await (await client.get(f"{TF}/index.json")).json()
+    assert list(listing["versions"]) == ["1.11.4", "1.10.5"]
+    version = await (await client.get(f"{TF}/1.11.4/index.json")).json()
+    assert version["shasums"] == "terraform_1.11.4_SHA256SUMS"
+    assert version["shasums_signature"] == "terraform_1.11.4_SHA256SUMS.sig"
+    builds = {(b["os"], b["arch"]): b for b in version["builds"]}
+    assert builds[("linux", "amd64")]["url"].endswith(
+        f"{TF}/1.11.4/terraform_1.11.4_linux_amd64.zip")
+    assert builds[("linux", "amd64")]["url"].startswith(f"https://{client.host}:")
+    files = (await _get(client, f"{TF}/1.11.4/")).decode()
+    assert "terraform_1.11.4_SHA256SUMS" in files and "linux_amd64.zip" in files
+
+
+async def test_files_are_upstreams_bytes_verified_and_then_hits(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    for name in (release.archive("linux_amd64"), release.sums_name,
+                 f"{release.sums_name}.sig", release.keyed_signature):
+        assert await _get(client, f"{TF}/1.11.4/{name}") == release.files[name]
+    fetched = release_requests(registry.requests)
+    assert fetched == [f"/hashicorp/terraform/1.11.4/{release.archive('linux_amd64')}"]
+    registry.requests.clear()
+    assert await _get(client, f"{TF}/1.11.4/{release.archive('linux_amd64')}") == \
+        release.files[release.archive("linux_amd64")]
+    assert registry.requests == []  # the zip, its SHA256SUMS and signatures: all held
+    head = await client.head(f"{TF}/1.11.4/{release.archive('linux_amd64')}")
+    assert head.status == 200
+    assert int(head.headers["Content-Length"]) == len(release.files[release.archive(
+        "linux_amd64")])
+    part = await client.get(f"{TF}/1.11.4/{release.archive('linux_amd64')}",
+                            headers={"Range": "bytes=0-9"})
+    assert part.status == 206 and await part.read() == \
+        release.files[release.archive("linux_amd64")][:10]
+
+
+async def test_concurrent_misses_make_one_download_each_client_gets_every_byte(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    client = await make_releases()
+    release = _terraform(registry, "1.10.5")
+    name = release.archive("darwin_arm64")
+    registry.slow_paths[f"/hashicorp/terraform/1.10.5/{name}"] = 0.3
+    bodies = await asyncio.gather(*(_get(client, f"{TF}/1.10.5/{name}") for _ in range(8)))
+    assert set(bodies) == {release.files[name]}
+    assert len(release_requests(registry.requests)) == 1
+
+
+async def test_a_tampered_archive_is_refused_and_never_stored(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    name = release.archive("windows_amd64")
+    registry.faults.add("tamper-release")
+    response = await client.get(f"{TF}/1.11.4/{name}")
+    if response.status == 200:  # the body had started: the connection is cut before its end
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    else:
+        assert response.status == 502
+    assert not list((tmp_path / "cache" / "releases").rglob("*.zip"))
+    metrics = await (await client.get("/metrics")).text()
+    assert sample(metrics, "tfproxy_integrity_failures_total", kind="checksum") == 1
+    registry.faults.clear()
+    assert await _get(client, f"{TF}/1.11.4/{name}") == release.files[name]
+
+
+async def test_a_release_signed_by_another_key_serves_nothing(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    registry.faults.add("badsig-release")
+    for name in (release.archive("linux_amd64"), release.sums_name):
+        response = await client.get(f"{TF}/1.11.4/{name}")
+        assert response.status == 502
+        message = (await response.json())["errors"][0]
+        assert "signature does not verify with the terraform release keys" in message
+    assert release_requests(registry.requests) == []  # no archive was even asked for
+    assert not (tmp_path / "cache" / "releases").exists() or \
+        not list((tmp_path / "cache" / "releases").rglob("*.zip"))
+    registry.faults.clear()  # a failure is not remembered
+    assert await _get(client, f"{TF}/1.11.4/{release.sums_name}") == \
+        release.files[release.sums_name]
+
+
+async def test_opentofu_release_assets_with_gpgsig_cosign_files_and_tofudl_list(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    client = await make_releases()
+    release = registry.cli.releases[("opentofu", "1.9.0")]
+    for name in (release.archive("linux_amd64"), release.archive("linux_amd64", ".tar.gz"),
+                 release.sums_name, f"{release.sums_name}.gpgsig", f"{release.sums_name}.sig",
+                 f"{release.sums_name}.pem"):
+        assert await _get(client, f"{TOFU}/v1.9.0/{name}") == release.files[name], name
+    page = (await _get(client, f"{TOFU}")).decode()
+    assert re.findall(r'href="[^"]*/(v[^"/]+)/"', page) == ["v1.9.0", "v1.8.8"]
+    api = await (await client.get("/releases/tofu/api.json")).json()
+    assert [v["id"] for v in api["versions"]] == ["1.9.0", "1.8.8"]
+    assert release.archive("darwin_arm64") in api["versions"][0]["files"]
+
+
+async def test_offline_the_held_releases_are_listed_and_served(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    online = await make_releases()
+    release = _terraform(registry)
+    name = release.archive("linux_amd64")
+    await _get(online, f"{TF}/1.11.4/{name}")
+    await online.close()
+    registry.requests.clear()
+    offline = await make_releases(upstream_extra='mode = "offline"')
+    assert await _get(offline, f"{TF}/1.11.4/{name}") == release.files[name]
+    assert await _get(offline, f"{TF}/1.11.4/{release.sums_name}.sig") == \
+        release.files[f"{release.sums_name}.sig"]
+    page = (await _get(offline, f"{TF}/")).decode()
+    assert "1.11.4" in page and "1.10.5" not in page
+    missing = await offline.get(f"{TF}/1.10.5/terraform_1.10.5_linux_amd64.zip")
+    assert missing.status == 404
+    assert "offline" in (await missing.json())["errors"][0]
+    assert registry.requests == []
+
+
+async def test_with_upstream_down_held_releases_and_the_last_list_still_serve(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    await _get(client, f"{TF}/")
+    await _get(client, f"{TF}/1.11.4/{release.archive('linux_amd64')}")
+    registry.faults.add("down")
+    assert await _get(client, f"{TF}/1.11.4/{release.archive('linux_amd64')}") == \
+        release.files[release.archive("linux_amd64")]
+    assert "1.10.5" in (await _get(client, f"{TF}/")).decode()
+    response = await client.get(f"{TF}/1.10.5/terraform_1.10.5_linux_amd64.zip")
+    assert response.status == 502
+
+
+@pytest.mark.parametrize("path", [
+    f"{TF}/1.11/terraform_1.11_linux_amd64.zip",  # not a version
+    f"{TF}/1.11.4/terraform_1.11.4_linux_amd64.exe",  # not a file it publishes
+    f"{TF}/1.11.4/terraform_1.10.5_linux_amd64.zip",  # another version's
+    f"{TF}/1.11.4/..%2f..%2fetc%2fpasswd",
+    f"{TF}/1.11.4/terraform_1.11.4_SHA256SUMS.bad.sig",
+    f"{TOFU}/1.9.0/tofu_1.9.0_linux_amd64.zip",  # tags start with v
+    f"{TOFU}/v1.9.0/terraform_1.9.0_linux_amd64.zip",
+    "/releases/keys/../../etc/passwd",
+    "/releases/keys/other.asc",
+    "/releases/vault/1.0.0/vault_1.0.0_linux_amd64.zip",
+])
+async def test_hostile_or_unknown_paths_get_a_json_4xx_and_reach_no_upstream(
+        make_releases: Make, registry: FakeRegistry, path: str) -> None:
+    client = await make_releases()
+    response = await client.get(path)
+    assert 400 <= response.status < 500, (path, response.status)
+    assert (await response.json())["errors"]
+    assert release_requests(registry.requests) == []
+
+
+async def test_an_unknown_version_is_404(make_releases: Make) -> None:
+    client = await make_releases()
+    response = await client.get(f"{TF}/9.9.9/terraform_9.9.9_linux_amd64.zip")
+    assert response.status == 404
+    assert "no release 9.9.9" in (await response.json())["errors"][0]
+
+
+async def test_a_platform_not_in_the_signed_sums_is_404(make_releases: Make) -> None:
+    client = await make_releases()
+    response = await client.get(f"{TF}/1.11.4/terraform_1.11.4_freebsd_arm.zip")
+    assert response.status == 404
+    assert "not in its signed SHA256SUMS" in (await response.json())["errors"][0]
+
+
+async def test_the_release_keys_are_served_for_clients_that_verify(
+        make_releases: Make, signer: GpgKey) -> None:
+    client = await make_releases()
+    for name in ("hashicorp.asc", "opentofu.asc"):
+        body = (await _get(client, f"/releases/keys/{name}")).decode()
+        assert body.strip() == signer.armored_public_key.strip()
+
+
+async def test_with_auth_a_token_is_needed_as_bearer_or_basic_password(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    client = await make_releases(extra=f'[auth]\ntokens = [{{ name = "ci", token = "{TOKEN}" }}]\n')
+    release = _terraform(registry)
+    path = f"{TF}/1.11.4/{release.sums_name}"
+    refused = await client.get(path)
+    assert refused.status == 401
+    assert any(challenge.startswith('Basic realm="tf-registry-proxy"')
+               for challenge in refused.headers.getall("WWW-Authenticate"))
+    basic = "Basic " + base64.b64encode(f"tenv:{TOKEN}".encode()).decode()
+    for header in (f"Bearer {TOKEN}", basic):
+        response = await client.get(path, headers={"Authorization": header})
+        assert response.status == 200
+
+
+async def test_fetches_and_serves_are_audited_and_counted_as_the_cli_release(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    client = await make_releases(server_audit_log=str(log))
+    release = _terraform(registry)
+    name = release.archive("linux_amd64")
+    await _get(client, f"{TF}/1.11.4/{name}")
+    [fetched] = await eventually(log, "fetched")
+    [served] = await eventually(log, "served")
+    for line in (fetched, served):
+        assert (line["kind"], line["name"], line["version"], line["os"], line["arch"]) == (
+            "cli", "terraform", "1.11.4", "linux", "amd64")
+    assert fetched["sha256"] == hashlib.sha256(release.files[name]).hexdigest()
+    metrics = await (await client.get("/metrics")).text()
+    assert sample(metrics, "tfproxy_served_bytes_total", kind="release") == \
+        len(release.files[name])
+    assert sample(metrics, "tfproxy_cache_lookups_total", kind="release", result="miss") == 1
