@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.airgap.manifest import MANIFEST, BundleError
-from proxy.core.errors import BadRequest
+from proxy.core.errors import BadRequest, NotFound
 from proxy.core.models import (
     ModuleAddress,
     Platform,
@@ -19,6 +19,7 @@ from proxy.core.models import (
     parse_module_version,
     parse_version,
 )
+from proxy.core.releases import Product, parse_release_version, product_named
 from proxy.store import layout
 from proxy.verification.packages import SUMS_ID
 
@@ -94,6 +95,29 @@ class ModuleEntry:
 
 
 @dataclass(frozen=True)
+class ReleaseEntry:
+    """One archive of a CLI release, and the members holding its SHA256SUMS and the
+    signature files served with it (by file name)."""
+
+    product: Product
+    version: str
+    filename: str
+    sha256: str
+    archive: str
+    sums: str
+    signatures: dict[str, str]
+    extras: dict[str, str]
+
+    def __str__(self) -> str:
+        return f"{self.product.name} {self.version} {self.filename}"
+
+    @property
+    def archive_key(self) -> str:
+        """The store key of the archive."""
+        return layout.release_file(self.product.name, self.version, self.filename)
+
+
+@dataclass(frozen=True)
 class VersionList:
     """A provider's version list as the exporter held it (entries rebuilt from checked
     fields: version, protocols, platform keys)."""
@@ -109,6 +133,7 @@ class BundleContents:
     providers: tuple[ProviderEntry, ...]
     modules: tuple[ModuleEntry, ...]
     versions: tuple[VersionList, ...]
+    releases: tuple[ReleaseEntry, ...] = ()
 
 
 class _Fields:
@@ -154,13 +179,19 @@ def parse_contents(manifest: dict[str, Any], listed: Collection[str]) -> BundleC
             ("versions", versions, "object")) if not isinstance(
                 value, list if kind == "array" else dict))
         raise BundleError(f"{MANIFEST}: {wrong}")
+    releases = manifest.get("releases", [])
+    if not isinstance(releases, list):
+        raise BundleError(f"{MANIFEST}: releases is {shown(releases)}, not a JSON array")
     roles = _Roles(listed)
     parsed_providers = [_provider(item, f"providers[{i}]", roles)
                         for i, item in enumerate(providers)]
     parsed_modules = [_module(item, f"modules[{i}]", roles) for i, item in enumerate(modules)]
+    parsed_releases = [_release(item, f"releases[{i}]", roles)
+                       for i, item in enumerate(releases)]
     roles.all_used()
     _refuse_repeats([(p.record_key, str(p)) for p in parsed_providers]
-                    + [(m.archive_key, str(m)) for m in parsed_modules])
+                    + [(m.archive_key, str(m)) for m in parsed_modules]
+                    + [(r.archive_key, str(r)) for r in parsed_releases])
     held = {p.provider for p in parsed_providers}
     lists: dict[ProviderAddress, VersionList] = {}
     for address, entries in versions.items():
@@ -172,7 +203,7 @@ def parse_contents(manifest: dict[str, Any], listed: Collection[str]) -> BundleC
             raise BundleError(f"{MANIFEST}: versions: {version_list.provider} listed twice")
         lists[version_list.provider] = version_list
     return BundleContents(tuple(parsed_providers), tuple(parsed_modules),
-                          tuple(lists.values()))
+                          tuple(lists.values()), tuple(parsed_releases))
 
 
 class _Roles:
@@ -273,6 +304,43 @@ def _module(item: object, where: str, roles: _Roles) -> ModuleEntry:
     fields.where = f"{where} ({module} {version})"
     return ModuleEntry(module, version, roles.claim(
         fields, "archive", f"the archive of module {module} {version}"))
+
+
+def _release(item: object, where: str, roles: _Roles) -> ReleaseEntry:
+    fields = _Fields(item, where)
+    try:
+        product = product_named(fields.text("product"))
+    except NotFound as exc:
+        raise fields.fail("product", exc.message) from None
+    version: str = fields.parsed("version", parse_release_version)
+    filename = fields.text("filename")
+    fields.where = f"{where} ({product.name} {version})"
+    if product.platform_of(version, filename) is None:
+        raise fields.fail("filename", f"{shown(filename)} is not an archive of {product.name} "
+                          f"{version}")
+    release = f"{product.name} {version}"
+
+    def named(key: str, kinds: tuple[str, ...]) -> dict[str, str]:
+        value = fields.value.get(key, {})
+        if not isinstance(value, dict) or len(value) > _MAX_KEYS:
+            raise fields.fail(key, f"{shown(value)} is not an object of file names")
+        members = {}
+        for name in value:
+            try:
+                kind = product.kind_of(version, str(name))
+            except NotFound:
+                kind = ""
+            if kind not in kinds:
+                raise fields.fail(key, f"{shown(name)} is not such a file of {release}")
+            members[str(name)] = roles.claim(_Fields(value, f"{fields.where}.{key}"), name,
+                                             f"{name} of {release}", shared=True)
+        return members
+
+    return ReleaseEntry(
+        product, version, filename, fields.text("sha256", _SHASUM),
+        archive=roles.claim(fields, "archive", f"the archive {filename}"),
+        sums=roles.claim(fields, "sums", f"the SHA256SUMS of {release}", shared=True),
+        signatures=named("signatures", ("signature",)), extras=named("extras", ("extra",)))
 
 
 def _version_list(address: str, entries: object) -> VersionList:

@@ -14,7 +14,7 @@ import os
 import sqlite3
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,6 +32,7 @@ from proxy.core.audit import Artifact, AuditLog, key_id, local_user
 from proxy.core.errors import ProxyError
 from proxy.core.executors import slow_then_close
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress
+from proxy.core.releases import product_named
 from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
@@ -39,6 +40,7 @@ from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobStore, OpenBlob, Storage
 from proxy.store.s3_objects import Conflict
 from proxy.upstream.documents import without_upstream_urls
+from proxy.verification.releases import VerifiedRelease
 
 _CHUNK = 1 << 20
 _Package = tuple[ProviderAddress, str, Platform, dict[str, Any], str]
@@ -68,6 +70,48 @@ async def _stored_modules(storage: Storage) -> list[tuple[ModuleAddress, str, st
         if named is not None:
             found.append((*named, info.key))
     return found
+
+
+async def _stored_releases(storage: Storage) -> list[tuple[VerifiedRelease, str, str]]:
+    """Every stored CLI release archive whose release record (its verified SHA256SUMS)
+    lists it: the release, the archive's key and file name."""
+    found = []
+    for info in await storage.blobs.list(f"{layout.RELEASE_AREA}/"):
+        named = layout.parse_release_file(info.key)
+        record = None if named is None else await storage.index.get(
+            layout.release_record(named[0], named[1]))
+        if named is None or record is None:
+            continue
+        try:
+            release = VerifiedRelease.from_record(named[0], named[1], record)
+        except (ValueError, KeyError, TypeError):
+            continue
+        if named[2] in release.checksums:
+            found.append((release, info.key, named[2]))
+    return found
+
+
+async def _release_entry(release: VerifiedRelease, key: str, filename: str,
+                         add_blob: Callable[..., Awaitable[bool]],
+                         add_listed: Callable[[str, bytes], None],
+                         files: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest entry of one release archive, its members added (the SHA256SUMS and
+    signature files once per release); None when the archive went meanwhile."""
+    product = product_named(release.product)
+    base = f"releases/{release.product}/{release.version}"
+    expected = release.checksums[filename]
+    if not await add_blob(f"{base}/{filename}", key, expected,
+                          f"{release.product} {release.version} {filename}"):
+        return None
+    small = release.small_files(product)
+    for name, data in small.items():
+        if f"{base}/{name}" not in files:
+            add_listed(f"{base}/{name}", data)
+    return {"product": release.product, "version": release.version, "filename": filename,
+            "sha256": expected, "archive": f"{base}/{filename}",
+            "sums": f"{base}/{product.sums_name(release.version)}",
+            "signatures": {name: f"{base}/{name}" for name in release.signatures},
+            "extras": {name: f"{base}/{name}" for name in release.extras}}
 
 
 def _selected(requirements: list[Requirement] | None, address: object, version: str,
@@ -123,7 +167,8 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
     for module, version, _key in modules:
         held.setdefault(str(module), set()).add(version)
     manifest: dict[str, Any] = {"format": FORMAT, "created": int(time.time()),
-                                "providers": [], "modules": [], "versions": {}, "files": {}}
+                                "providers": [], "modules": [], "versions": {}, "releases": [],
+                                "files": {}}
     temp = output.with_name(output.name + ".part")
     try:
         with _removed_on_failure(temp), tarfile.open(temp, "w") as tar:
@@ -196,6 +241,18 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
                     "archive": member})
                 lines.append((Artifact.module(module, version), manifest["files"][member]["size"],
                               manifest["files"][member]["sha256"], None))
+            if requirements is None:  # the whole cache: its CLI releases too
+                for release, key, filename in await _stored_releases(storage):
+                    added = await _release_entry(release, key, filename, add_blob,
+                                                 add_listed, manifest["files"])
+                    if added is not None:
+                        manifest["releases"].append(added)
+                        lines.append((Artifact.release(
+                            release.product, release.version,
+                            product_named(release.product).platform_of(release.version,
+                                                                       filename)),
+                            manifest["files"][added["archive"]]["size"], added["sha256"],
+                            key_id(release.signed_by)))
             # The signature covers these exact bytes, and through them every member.
             manifest_bytes = json.dumps(manifest, indent=1).encode()
             add_data(MANIFEST, manifest_bytes)
@@ -215,7 +272,8 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
     unmatched = tuple(f"{r.address} {r.constraint}".strip() for r in requirements or []
                       if str(r.address) not in exported)
     return Counts(len(manifest["providers"]), len(manifest["modules"]), unmatched,
-                  signer.fingerprint if signer is not None else "")
+                  signer.fingerprint if signer is not None else "",
+                  releases=len(manifest["releases"]))
 
 
 def _add_checked(tar: tarfile.TarFile, member: str, blob: OpenBlob, stored_with: str | None,

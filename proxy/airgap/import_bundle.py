@@ -14,7 +14,7 @@ from pathlib import Path
 import pysequoia
 
 from proxy.airgap import publish
-from proxy.airgap.entries import ModuleEntry, ProviderEntry, parse_contents
+from proxy.airgap.entries import ModuleEntry, ProviderEntry, ReleaseEntry, parse_contents
 from proxy.airgap.import_target import ImportTarget, import_target, plan_list
 from proxy.airgap.manifest import (
     MANIFEST,
@@ -38,6 +38,12 @@ from proxy.store import layout
 from proxy.upstream.documents import parse_sha256sums
 from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
+from proxy.verification.releases import (
+    ReleaseKeyError,
+    VerifiedRelease,
+    load_release_keys,
+    verify_release,
+)
 from proxy.verification.signatures import verify_detached
 
 
@@ -119,6 +125,9 @@ def _import_from(config: Config, tar: tarfile.TarFile,
         for version_list in contents.versions:
             plan_list(target, layout.version_list_record(version_list.provider),
                       list(version_list.entries), lambda v: v["version"])
+        releases = [(entry, _verify_release(entry, staged, config)) for entry in
+                    contents.releases]
+        old_releases = _plan_releases(target, staged, listed, releases)
         target.apply()
     user, source = local_user(), str(bundle)
     for entry, package, signer in verified:
@@ -133,8 +142,72 @@ def _import_from(config: Config, tar: tarfile.TarFile,
                      outcome="present" if module.archive_key in old_modules else "ok",
                      user=user, bundle=source, bundle_signed_by=signed_by or None,
                      bytes=size, sha256=sha256)
+    for archived, release in releases:
+        size, sha256 = listed[archived.archive]
+        audit.record("imported", Artifact.release(
+            archived.product.name, archived.version,
+            archived.product.platform_of(archived.version, archived.filename)),
+            outcome="present" if archived.archive_key in old_releases else "ok", user=user,
+            bundle=source, bundle_signed_by=signed_by or None, bytes=size, sha256=sha256,
+            key_id=key_id(release.signed_by))
     return Counts(len(packages) - len(old_packages), len(contents.modules) - len(old_modules),
-                  signed_by=signed_by, present=len(old_packages) + len(old_modules))
+                  signed_by=signed_by,
+                  present=len(old_packages) + len(old_modules) + len(old_releases),
+                  releases=len(releases) - len(old_releases))
+
+
+def _verify_release(entry: ReleaseEntry, staged: dict[str, Path],
+                    config: Config) -> VerifiedRelease:
+    """The checks a live fill makes: the SHA256SUMS signed by the release keys configured
+    here (the bundle carries none), the archive's sha256 equal to its signed line."""
+    try:
+        keys = load_release_keys(config.releases)[entry.product.name]
+    except (OSError, ReleaseKeyError) as exc:
+        raise BundleError(f"the release keys cannot be read: {exc}") from None
+    try:
+        release = verify_release(
+            entry.product, entry.version, staged[entry.sums].read_bytes(),
+            {name: staged[member].read_bytes() for name, member in entry.signatures.items()},
+            keys, {name: staged[member].read_bytes() for name, member in entry.extras.items()})
+    except IntegrityError as exc:
+        raise BundleError(f"{entry.sums}: {exc.message}") from None
+    if release.checksums.get(entry.filename) != entry.sha256:
+        raise BundleError(f"{entry.sums}: no matching line for {entry.filename}")
+    if sha256_of_path(staged[entry.archive]) != entry.sha256:
+        raise BundleError(f"{entry.archive}: sha256 does not match the signed checksum")
+    return release
+
+
+def _plan_releases(target: ImportTarget, staged: dict[str, Path],
+                   listed: dict[str, tuple[int, str]],
+                   releases: Sequence[tuple[ReleaseEntry, VerifiedRelease]]) -> set[str]:
+    """Plan the release archives and records; returns the keys of the archives the cache
+    held already. A different SHA256SUMS or archive under the same name refuses the
+    bundle."""
+    present = set()
+    for entry, release in releases:
+        record_key = layout.release_record(entry.product.name, entry.version)
+        held = target.record(record_key) or target.planned(record_key)
+        if held is None:
+            target.set_record(record_key, release.to_record())
+        elif VerifiedRelease.from_record(release.product, release.version, held).sums \
+                != release.sums:
+            raise BundleError(f"{entry.sums}: the cache holds a different SHA256SUMS under "
+                              "this name")
+        stored = target.blob_sha256(entry.archive_key)
+        if stored == entry.sha256:
+            present.add(entry.archive_key)
+            continue
+        if stored is not None:
+            raise BundleError(f"{entry.archive}: the cache holds a different archive under "
+                              "this name")
+        target.put_file(staged[entry.archive], entry.archive_key)
+        # No identity yet: the first hit reads the archive once against this sha256.
+        target.set_record(layout.release_file_record(entry.product.name, entry.version,
+                                                     entry.filename),
+                          {"sha256": entry.sha256, "size": listed[entry.archive][0],
+                           "stored_as": None})
+    return present
 
 
 def _plan_packages(target: ImportTarget, staged: dict[str, Path],

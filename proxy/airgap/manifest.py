@@ -55,6 +55,7 @@ class Counts:
     unmatched: tuple[str, ...] = ()
     signed_by: str = ""  # fingerprint of the key that signed (export) or verified (import)
     present: int = 0
+    releases: int = 0  # CLI release archives
 
 
 def file_entry(size: int, sha256: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import hcl2
 
@@ -39,6 +39,27 @@ class Requirement:
     def kind(self) -> str:
         """"provider" or "module"."""
         return "provider" if isinstance(self.address, ProviderAddress) else "module"
+
+
+@dataclass(frozen=True)
+class CliRequirement:
+    """A Terraform or OpenTofu CLI release wanted (`warm --cli PRODUCT VERSION`): an exact
+    version or a constraint ("" = newest)."""
+
+    product: str
+    constraint: str = ""
+    kind: ClassVar[str] = "cli"
+
+    def __post_init__(self) -> None:
+        try:
+            parse_constraint(self.constraint)
+        except ValueError as exc:
+            raise SourceError(f"--cli {self.product}: {exc}") from None
+
+    @property
+    def address(self) -> str:
+        """What the requirement names, for messages: the product."""
+        return self.product
 
 
 def read_sources(sources: list[str]) -> list[Requirement]:

@@ -11,17 +11,19 @@ import ssl
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import TextIO
+from typing import Any, TextIO
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from proxy.airgap.constraints import newest_matching
-from proxy.airgap.sources import Requirement
+from proxy.airgap.sources import CliRequirement, Requirement
 from proxy.app import create_app
 from proxy.config.settings import AuthConfig, Config
 from proxy.core.redaction import excerpt, mask_secrets
+from proxy.core.releases import TERRAFORM, product_named
+from proxy.protocols.release_documents import version_directory
 
 _CONCURRENCY = 4
 _CHUNK = 1 << 20
@@ -31,7 +33,7 @@ _CHUNK = 1 << 20
 class WarmResult:
     """What warming one requirement did."""
 
-    requirement: Requirement
+    requirement: Requirement | CliRequirement
     version: str = ""
     items: int = 0
     bytes: int = 0
@@ -59,7 +61,8 @@ class _Progress:
         self.out.flush()
 
 
-async def warm(base_url: str, requirements: list[Requirement], platforms: list[str],
+async def warm(base_url: str, requirements: list[Requirement | CliRequirement],
+               platforms: list[str],
                context: ssl.SSLContext | None = None, token: str | None = None,
                out: TextIO = sys.stderr, unix_socket: str | None = None
                ) -> list[WarmResult]:
@@ -74,11 +77,13 @@ async def warm(base_url: str, requirements: list[Requirement], platforms: list[s
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(base_url, headers=headers, connector=connector,
                                      timeout=timeout) as session:
-        async def one(requirement: Requirement) -> WarmResult:
+        async def one(requirement: Requirement | CliRequirement) -> WarmResult:
             async with limit:
                 result = WarmResult(requirement)
                 try:
-                    if requirement.kind == "provider":
+                    if isinstance(requirement, CliRequirement):
+                        await _cli(session, requirement, platforms, result, progress)
+                    elif requirement.kind == "provider":
                         await _provider(session, requirement, platforms, result, progress)
                     else:
                         await _module(session, requirement, result, progress)
@@ -109,7 +114,7 @@ async def _fetch(session: aiohttp.ClientSession, url: str) -> int:
     return size
 
 
-def _pick(versions: list[str], requirement: Requirement) -> str:
+def _pick(versions: list[str], requirement: Requirement | CliRequirement) -> str:
     version = newest_matching(versions, requirement.constraint)
     if version is None:
         raise ValueError(f"no version of {requirement.address} matches "
@@ -153,7 +158,37 @@ async def _module(session: aiohttp.ClientSession, requirement: Requirement,
     progress.done(f"{requirement.address} {result.version}", size)
 
 
-async def warm_cache(config: Config, requirements: list[Requirement], platforms: list[str],
+async def _cli(session: aiohttp.ClientSession, requirement: CliRequirement,
+               platforms: list[str], result: WarmResult, progress: _Progress) -> None:
+    """A CLI release: every platform's zip (the SHA256SUMS and signatures are verified and
+    kept with the first)."""
+    product = product_named(requirement.product)
+    # What a proxy answered: a wrong shape raises (KeyError, TypeError), a problem of this
+    # requirement.
+    versions: Any
+    if product is TERRAFORM:
+        _url, listing = await _json(session, "/releases/terraform/index.json")
+        versions = listing["versions"]
+        files = {v: [b["filename"] for b in entry["builds"]] for v, entry in versions.items()}
+    else:
+        _url, listing = await _json(session, "/releases/tofu/api.json")
+        versions = listing["versions"]
+        files = {entry["id"]: list(entry["files"]) for entry in versions}
+    result.version = _pick(list(files), requirement)
+    directory = urlsplit(version_directory("/", product, result.version)).path
+    for platform in platforms:
+        name = product.archive_name(result.version, *platform.split("_", 1))
+        if name not in files[result.version]:
+            result.problems.append(f"{result.version} is not available for {platform}")
+            continue
+        size = await _fetch(session, directory + name)
+        result.items += 1
+        result.bytes += size
+        progress.done(f"{product.name} {result.version} {platform}", size)
+
+
+async def warm_cache(config: Config, requirements: list[Requirement | CliRequirement],
+                     platforms: list[str],
                      out: TextIO = sys.stderr) -> list[WarmResult]:
     """Warm the cache directory of `config` with a proxy started in this process, which
     stops when done. It listens on a unix socket in a private directory: no other local user

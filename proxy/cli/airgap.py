@@ -17,7 +17,7 @@ from proxy.airgap.import_bundle import (
 )
 from proxy.airgap.manifest import BundleError
 from proxy.airgap.signing import SigningError, load_public_keys, load_signer
-from proxy.airgap.sources import SourceError, read_sources
+from proxy.airgap.sources import CliRequirement, Requirement, SourceError, read_sources
 from proxy.airgap.warm import summary as warm_summary
 from proxy.airgap.warm import warm, warm_cache
 from proxy.cli.logs import COMMAND_FORMAT, configure_logging
@@ -26,15 +26,23 @@ from proxy.cli.server import run_loop
 from proxy.config import Config
 from proxy.core.errors import BadRequest
 from proxy.core.models import Platform
+from proxy.core.releases import PRODUCTS
 
 
 def warm_command(config: Config, args: argparse.Namespace) -> int:
     """`warm`: fetch what the sources name through a running proxy or into the cache."""
     configure_logging(logging.WARNING, COMMAND_FORMAT)
+    requirements: list[Requirement | CliRequirement] = []
     try:
-        requirements = read_sources(args.sources)
+        requirements += read_sources(args.sources) if args.sources else []
+        for product, version in args.cli:
+            if product not in PRODUCTS:
+                return fail(f"--cli {product!r}: expected one of {', '.join(PRODUCTS)}")
+            requirements.append(CliRequirement(product, version))
     except SourceError as exc:
         return fail(str(exc))
+    if not requirements:
+        return fail("nothing to warm: give SOURCE arguments, --cli PRODUCT VERSION, or both")
     platforms = args.platform or [p for p in config.filters.platforms
                                   if not any(c in p for c in "*?[")] or ["linux_amd64"]
     for platform in platforms:
@@ -73,12 +81,13 @@ def export_command(config: Config, args: argparse.Namespace) -> int:
     if counts.unmatched:
         args.output.unlink(missing_ok=True)
         return fail("not in the cache (warm it first): " + ", ".join(counts.unmatched))
-    if counts.providers + counts.modules == 0:
+    if counts.providers + counts.modules + counts.releases == 0:
         args.output.unlink(missing_ok=True)
         return fail("the cache holds nothing to export")
     signed = f"signed with key {counts.signed_by}" if counts.signed_by else "UNSIGNED"
+    releases = f", {counts.releases} CLI release archives" if counts.releases else ""
     print(f"wrote {args.output}: {counts.providers} provider packages, {counts.modules} "
-          f"module archives, {signed}")
+          f"module archives{releases}, {signed}")
     return 0
 
 
@@ -128,6 +137,7 @@ def import_command(config: Config, args: argparse.Namespace) -> int:
     origin = f"bundle signed by {counts.signed_by}" if counts.signed_by \
         else "origin not checked: --allow-unsigned-bundle"
     present = f"; {counts.present} already in the cache" if counts.present else ""
-    print(f"imported {counts.providers} provider packages, {counts.modules} module archives "
-          f"({origin}){present}")
+    releases = f", {counts.releases} CLI release archives" if counts.releases else ""
+    print(f"imported {counts.providers} provider packages, {counts.modules} module archives"
+          f"{releases} ({origin}){present}")
     return 0

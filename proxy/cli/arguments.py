@@ -56,11 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="TOML config file (default: $TF_REGISTRY_PROXY_CONFIG, "
                                       "else built-in defaults)")
         if name in ("warm", "export"):
-            command.add_argument("sources", nargs="*" if name == "export" else "+",
+            command.add_argument("sources", nargs="*",
                                  metavar="SOURCE",
                                  help="a configuration directory, a .terraform.lock.hcl, or "
                                       "a list file (one 'ADDRESS [CONSTRAINT]' a line)")
         if name == "warm":
+            command.add_argument("--cli", nargs=2, action="append", default=[],
+                                 metavar=("PRODUCT", "VERSION"),
+                                 help="repeatable: a Terraform or OpenTofu release "
+                                      "(terraform|opentofu, a version or a constraint such "
+                                      "as '~> 1.11'), for each --platform")
             command.add_argument("--platform", action="append", default=[],
                                  metavar="OS_ARCH", help="repeatable (default: the "
                                  "configured platform filter, else linux_amd64)")
