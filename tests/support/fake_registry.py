@@ -101,7 +101,7 @@ class FakeRegistry:
         self._last_request = 0.0
         self.faults: set[str] = set()
         # Terraform and OpenTofu CLI releases, on this server too (their own routes).
-        self.cli = CliReleases(signer, impostor, self.faults)
+        self.cli = CliReleases(signer, impostor, lambda: self.faults)
         self.extra_versions: dict[tuple[str, str], list[object]] = {}
         self.modules: dict[tuple[str, str, str, str], ModuleRelease] = {}
         self.url_token = 0

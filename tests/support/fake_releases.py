@@ -82,10 +82,12 @@ class CliRelease:
 class CliReleases:
     """The releases a fake upstream publishes, and its routes."""
 
-    def __init__(self, signer: GpgKey, impostor: GpgKey, faults: set[str]) -> None:
+    def __init__(self, signer: GpgKey, impostor: GpgKey,
+                 faults: Callable[[], set[str]]) -> None:
         self.signer = signer
         self.impostor = impostor
-        self.faults = faults
+        # The upstream's fault switches as they are now (a test may replace the set).
+        self._faults = faults
         self.releases: dict[tuple[str, str], CliRelease] = {}
         self._bad_signatures: dict[tuple[str, str], dict[str, bytes]] = {}
         self.url = ""  # the upstream's base URL, set when it starts
@@ -177,9 +179,10 @@ class CliReleases:
         if release is None or name not in release.files:
             raise web.HTTPNotFound()
         data = release.files[name]
-        if "badsig-release" in self.faults:
+        faults = self._faults()
+        if "badsig-release" in faults:
             data = self._bad_signatures[(product, version)].get(name, data)
-        if "tamper-release" in self.faults and name.endswith((".zip", ".tar.gz")):
+        if "tamper-release" in faults and name.endswith((".zip", ".tar.gz")):
             data = data[:-30] + bytes([data[-30] ^ 0xFF]) + data[-29:]
         return web.Response(body=data, content_type="application/octet-stream")
 
