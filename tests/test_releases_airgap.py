@@ -73,7 +73,7 @@ def exported(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRe
 async def test_releases_cross_the_air_gap_and_are_served_offline(
         tmp_path: Path, exported: Path, keys: Path, registry: FakeRegistry,
         aiohttp_client: Any) -> None:
-    members, manifest = read_bundle(exported)
+    _members, manifest = read_bundle(exported)
     assert {(r["product"], r["version"]) for r in manifest["releases"]} == {
         ("terraform", "1.11.4"), ("opentofu", "1.8.8")}
     inside = _inside(tmp_path, keys)
