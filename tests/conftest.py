@@ -150,6 +150,14 @@ def publish_modules(server: FakeRegistry, work: Path) -> None:
 
 
 @pytest.fixture
+def release_keys(tmp_path: Path, signer: GpgKey) -> Path:
+    """The fake releases' signing key, as a proxy's [releases] key file."""
+    path = tmp_path / "release-keys.asc"
+    path.write_text(signer.armored_public_key)
+    return path
+
+
+@pytest.fixture
 def registry(registry_server: FakeRegistry) -> Iterator[FakeRegistry]:
     """The shared fake upstream with a clean request log and no faults."""
     registry_server.reset()

@@ -31,19 +31,12 @@ Make = Callable[..., Awaitable[TestClient]]
 
 
 @pytest.fixture
-def keys_file(tmp_path: Path, signer: GpgKey) -> Path:
-    path = tmp_path / "release-keys.asc"
-    path.write_text(signer.armored_public_key)
-    return path
-
-
-@pytest.fixture
 def make_releases(aiohttp_client: Any, write_config: Any, registry: FakeRegistry,
-                  keys_file: Path) -> Make:
+                  release_keys: Path) -> Make:
     """A client of a proxy whose [releases] are the fake upstream's (extra: more config)."""
 
     async def build(extra: str = "", upstream_extra: str = "", **env: str) -> TestClient:
-        text = registry.cli.toml(keys_file) + extra
+        text = registry.cli.toml(release_keys) + extra
         environ = {f"TF_REGISTRY_PROXY_{k.upper()}": v for k, v in env.items()}
         config = load_config(write_config(extra=text, upstream_extra=upstream_extra),
                              environ=environ)

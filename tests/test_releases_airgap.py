@@ -38,17 +38,11 @@ opentofu_keys = "{keys}"
 
 
 @pytest.fixture
-def keys(tmp_path: Path, signer: GpgKey) -> Path:
-    path = tmp_path / "release-keys.asc"
-    path.write_text(signer.armored_public_key)
-    return path
-
-
-@pytest.fixture
 def exported(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
-             keys: Path) -> Path:
+             release_keys: Path) -> Path:
     """Warm two releases for two platforms, then export the cache, unsigned."""
-    connected = write_config(cache_dir=tmp_path / "connected", extra=registry.cli.toml(keys))
+    connected = write_config(cache_dir=tmp_path / "connected",
+                             extra=registry.cli.toml(release_keys))
     args = ["warm", "--config", str(connected), "--cli", "terraform", "1.11.4",
             "--cli", "opentofu", "~> 1.8.0", "--platform", "linux_amd64",
             "--platform", "darwin_arm64"]
@@ -71,12 +65,12 @@ def exported(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRe
 
 
 async def test_releases_cross_the_air_gap_and_are_served_offline(
-        tmp_path: Path, exported: Path, keys: Path, registry: FakeRegistry,
+        tmp_path: Path, exported: Path, release_keys: Path, registry: FakeRegistry,
         aiohttp_client: Any) -> None:
     _members, manifest = read_bundle(exported)
     assert {(r["product"], r["version"]) for r in manifest["releases"]} == {
         ("terraform", "1.11.4"), ("opentofu", "1.8.8")}
-    inside = _inside(tmp_path, keys)
+    inside = _inside(tmp_path, release_keys)
     imported = cli("import", "--config", str(inside), "--allow-unsigned-bundle", str(exported),
                    cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr
@@ -99,14 +93,14 @@ async def test_releases_cross_the_air_gap_and_are_served_offline(
 
 
 def test_a_tampered_release_archive_is_refused_on_import(tmp_path: Path, exported: Path,
-                                                         keys: Path) -> None:
+                                                         release_keys: Path) -> None:
     members, manifest = read_bundle(exported)
     name = next(r["archive"] for r in manifest["releases"] if r["product"] == "terraform")
     members[name] = members[name][:-40] + bytes([members[name][-40] ^ 1]) + members[name][-39:]
     relist(manifest, name, members[name])
     forged = write_bundle(tmp_path / "forged.tar", members, manifest)
-    result = cli("import", "--config", str(_inside(tmp_path, keys)), "--allow-unsigned-bundle",
-                 str(forged), cwd=tmp_path)
+    result = cli("import", "--config", str(_inside(tmp_path, release_keys)),
+                 "--allow-unsigned-bundle", str(forged), cwd=tmp_path)
     assert result.returncode == 2
     assert "sha256 does not match the signed checksum" in result.stderr
     assert not (tmp_path / "inside" / "releases").exists()

@@ -21,11 +21,9 @@ from tests.support.version_managers import InstallFailed, TenvTerraform, TenvTof
 
 @pytest.fixture
 def proxy(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
-          signer: GpgKey) -> Iterator[ProxyProcess]:
-    keys = tmp_path / "release-keys.asc"
-    keys.write_text(signer.armored_public_key)
+          release_keys: Path) -> Iterator[ProxyProcess]:
     port, cache = free_port(), tmp_path / "cache"
-    config = write_config(extra=registry.cli.toml(keys), cache_dir=cache, port=port)
+    config = write_config(extra=registry.cli.toml(release_keys), cache_dir=cache, port=port)
     with ProxyProcess(config, cache, port, tmp_path / "proxy.log") as process:
         yield process
 
