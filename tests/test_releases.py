@@ -132,6 +132,23 @@ async def test_a_tampered_archive_is_refused_and_never_stored(
     assert await _get(client, f"{TF}/1.11.4/{name}") == release.files[name]
 
 
+async def test_a_stored_archive_damaged_since_is_dropped_and_fetched_again(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    name = release.archive("darwin_arm64")
+    await _get(client, f"{TF}/1.11.4/{name}")
+    await client.close()
+    stored = tmp_path / "cache" / "releases" / "terraform" / "1.11.4" / name
+    stored.write_bytes(b"x" + stored.read_bytes()[1:])
+    again = await make_releases()
+    registry.requests.clear()
+    assert await _get(again, f"{TF}/1.11.4/{name}") == release.files[name]
+    assert len(release_requests(registry.requests)) == 1
+    metrics = await (await again.get("/metrics")).text()
+    assert sample(metrics, "tfproxy_integrity_failures_total", kind="stored") == 1
+
+
 async def test_a_release_signed_by_another_key_serves_nothing(
         make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
     client = await make_releases()

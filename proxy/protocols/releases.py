@@ -40,6 +40,7 @@ from proxy.verification.releases import (
     signature_candidates,
     verify_release,
 )
+from proxy.verification.stored_drops import drop_damaged
 from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, Vouch
 
 log = logging.getLogger(__name__)
@@ -237,16 +238,15 @@ class CliReleases:
 
     async def _drop(self, product: Product, version: str, filename: str,
                     damage: DamagedFile) -> None:
+        """Delete a damaged stored archive and its record, under its fill lock (it is
+        fetched again); counted by whoever deletes it."""
         key = layout.release_file(product.name, version, filename)
         async with self._archives.fill_lock(
                 layout.release_fill(product.name, version, filename), "release"):
             self._checked.forget(key)
-            if await self._archives.delete(key, damage.identity):
-                await self._index.delete(layout.release_file_record(product.name, version,
-                                                                    filename))
-                self._integrity(IntegrityError(damage.kind, f"the stored {filename} "
-                                               f"{damage.message}; dropped"),
-                                f"{product.name} {version} {filename}")
+            if await drop_damaged(self._archives, key, damage, lambda: self._index.delete(
+                    layout.release_file_record(product.name, version, filename))):
+                self._integrity(damage, f"{product.name} {version} {filename} (stored)")
 
     async def _fill(self, product: Product, version: str, filename: str, expected: str,
                     offer: Offer[Source]) -> Source:
