@@ -4,6 +4,7 @@ URL or a cache key, and the keys the proxy ships."""
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +65,11 @@ def test_a_release_verifies_only_with_the_configured_keys(signer: GpgKey,
             "terraform_1.0.0_SHA256SUMS.sig": impostor.detach_sign(sums)}, keys)
     with pytest.raises(IntegrityError, match="no signature"):
         verify_release(TERRAFORM, "1.0.0", sums, {}, keys)
+    # Another release's SHA256SUMS, validly signed, served under this version's name.
+    other = b"a" * 64 + b"  terraform_0.9.0_linux_amd64.zip\n"
+    with pytest.raises(IntegrityError, match="is not that release's"):
+        verify_release(TERRAFORM, "1.0.0", other,
+                       {"terraform_1.0.0_SHA256SUMS.sig": signer.detach_sign(other)}, keys)
 
 
 @pytest.mark.parametrize(("version", "name", "kind"), [
@@ -99,7 +105,7 @@ def test_names_terraform_does_not_publish_are_unknown(name: str) -> None:
 
 
 @pytest.mark.parametrize("text", ["1.11", "1.11.4.5", "01.1.1", "1.1.1+build", "latest",
-                                  "1.1.1-", "../1.1.1", "1.1.1\n", "9" * 80 + ".1.1"])
+                                  "1.1.1-", "../1.1.1", "1.1.1\n", "1.0.0-01", "9" * 80 + ".1.1"])
 def test_bad_release_versions_are_refused(text: str) -> None:
     with pytest.raises(BadRequest):
         parse_release_version(text)
@@ -151,3 +157,21 @@ async def test_a_key_file_that_becomes_unusable_stops_the_start_naming_it(
     with pytest.raises(ProxyError, match=re.escape(f"{keys} holds no armored OpenPGP")):
         await runner.setup()
     await runner.app.cleanup()
+
+
+def test_a_key_file_may_hold_several_keys_in_one_armored_block(
+        tmp_path: Path, signer: GpgKey, impostor: GpgKey) -> None:
+    """`gpg --armor --export K1 K2` writes one block with both keys."""
+    merged = tmp_path / "home"
+    merged.mkdir(mode=0o700)
+    for key in (signer, impostor):
+        subprocess.run(["gpg", "--batch", "--import"], input=key.armored_public_key.encode(),
+                       capture_output=True, check=True, env={"GNUPGHOME": str(merged)})
+    both = subprocess.run(["gpg", "--batch", "--armor", "--export", signer.fingerprint,
+                           impostor.fingerprint], capture_output=True, check=True,
+                          env={"GNUPGHOME": str(merged)}).stdout
+    subprocess.run(["gpgconf", "--kill", "gpg-agent"], env={"GNUPGHOME": str(merged)},
+                   capture_output=True, check=False)
+    assert both.decode().count("BEGIN PGP PUBLIC KEY BLOCK") == 1
+    keys = parse_keys(both.decode(), "both.asc")
+    assert set(keys.fingerprints) == {signer.fingerprint.upper(), impostor.fingerprint.upper()}

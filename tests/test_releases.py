@@ -9,15 +9,21 @@ import base64
 import hashlib
 import re
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pysequoia
 import pytest
 from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import load_config
+from proxy.core.executors import serving
+from proxy.core.metrics import Metrics
+from proxy.store import layout
+from proxy.store.disk import open_disk_storage
 from tests.support.audit import eventually
 from tests.support.fake_registry import FakeRegistry
 from tests.support.fake_releases import CliRelease, release_requests
@@ -167,6 +173,23 @@ async def test_a_release_signed_by_another_key_serves_nothing(
         release.files[release.sums_name]
 
 
+async def test_only_signatures_that_verify_are_served_and_named(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    """A plain .sig by a key not configured beside a keyed one by the release key: the
+    release verifies, the bad .sig is not served, and index.json names the good one."""
+    client = await make_releases()
+    release = _terraform(registry, "1.10.5")
+    registry.faults.add("badsig-plain")
+    assert await _get(client, f"{TF}/1.10.5/{release.keyed_signature}") == \
+        release.files[release.keyed_signature]
+    missing = await client.get(f"{TF}/1.10.5/{release.sums_name}.sig")
+    assert missing.status == 404
+    assert "verifies with the release keys" in (await missing.json())["errors"][0]
+    version = await (await client.get(f"{TF}/1.10.5/index.json")).json()
+    assert version["shasums_signature"] == release.keyed_signature
+    assert version["shasums_signatures"] == [release.keyed_signature]
+
+
 async def test_opentofu_release_assets_with_gpgsig_cosign_files_and_tofudl_list(
         make_releases: Make, registry: FakeRegistry) -> None:
     client = await make_releases()
@@ -234,7 +257,7 @@ async def test_hostile_or_unknown_paths_get_a_json_4xx_and_reach_no_upstream(
     response = await client.get(path)
     assert 400 <= response.status < 500, (path, response.status)
     assert (await response.json())["errors"]
-    assert release_requests(registry.requests) == []
+    assert registry.requests == []  # not even a SHA256SUMS
 
 
 async def test_an_unknown_version_is_404(make_releases: Make) -> None:
@@ -255,8 +278,9 @@ async def test_the_release_keys_are_served_for_clients_that_verify(
         make_releases: Make, signer: GpgKey) -> None:
     client = await make_releases()
     for name in ("hashicorp.asc", "opentofu.asc"):
-        body = (await _get(client, f"/releases/keys/{name}")).decode()
-        assert body.strip() == signer.armored_public_key.strip()
+        body = await _get(client, f"/releases/keys/{name}")
+        assert str(pysequoia.Cert.from_bytes(body).fingerprint).upper() == \
+            signer.fingerprint.upper()
 
 
 async def test_with_auth_a_token_is_needed_as_bearer_or_basic_password(
@@ -291,3 +315,60 @@ async def test_fetches_and_serves_are_audited_and_counted_as_the_cli_release(
     assert sample(metrics, "tfproxy_served_bytes_total", kind="release") == \
         len(release.files[name])
     assert sample(metrics, "tfproxy_cache_lookups_total", kind="release", result="miss") == 1
+
+
+async def test_with_upstream_down_and_no_list_kept_the_held_releases_are_listed(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    first = await make_releases()
+    release = _terraform(registry)
+    await _get(first, f"{TF}/1.11.4/{release.archive('linux_amd64')}")
+    await first.close()  # the release list was never asked for: no copy of it is kept
+    registry.faults.add("down")
+    client = await make_releases()
+    page = (await _get(client, f"{TF}/")).decode()
+    assert "1.11.4" in page and "1.10.5" not in page
+    version = await (await client.get(f"{TF}/1.11.4/index.json")).json()
+    assert [b["filename"] for b in version["builds"]] == [release.archive("linux_amd64")]
+
+
+async def test_a_malformed_release_record_leaves_the_listing_standing(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path) -> None:
+    client = await make_releases()
+    release = _terraform(registry)
+    await _get(client, f"{TF}/1.11.4/{release.sums_name}")
+    async with serving(), AsyncExitStack() as opened:
+        config = load_config(tmp_path / "proxy.toml", environ={})
+        storage = await open_disk_storage(config.cache, Metrics(), opened)
+        await storage.index.set(layout.release_record("terraform", "1.10.5"), {"sums": 5})
+        await storage.index.set(layout.release_record("terraform", "garbage"), {})
+    again = await make_releases()
+    registry.faults.add("down")
+    page = (await _get(again, f"{TF}/")).decode()
+    assert "1.11.4" in page
+
+
+async def test_a_stored_release_no_configured_key_vouches_for_is_not_served(
+        make_releases: Make, registry: FakeRegistry, tmp_path: Path,
+        impostor: GpgKey) -> None:
+    """The keys were replaced since a release was stored: what only the old key signed is
+    refused, online (fetched again, and refused again) and offline."""
+    client = await make_releases()
+    release = _terraform(registry)
+    name = release.archive("linux_amd64")
+    await _get(client, f"{TF}/1.11.4/{name}")
+    await client.close()
+    other = tmp_path / "other-keys.asc"
+    other.write_text(impostor.armored_public_key)
+    for upstream_extra in ("", 'mode = "offline"'):
+        again = await make_releases(upstream_extra=upstream_extra,
+                                    releases_terraform_keys=str(other))
+        for path in (f"{TF}/1.11.4/{name}", f"{TF}/1.11.4/{release.sums_name}"):
+            response = await again.get(path)
+            assert response.status == 502, (upstream_extra, path, await response.text())
+        await again.close()
+
+
+async def test_with_auth_the_release_keys_are_public(make_releases: Make) -> None:
+    client = await make_releases(extra=f'[auth]\ntokens = ["{TOKEN}"]\n')
+    assert (await client.get("/releases/keys/hashicorp.asc")).status == 200
+    assert (await client.get(f"{TF}/")).status == 401

@@ -51,8 +51,8 @@ def exported(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRe
     rows = {line.split()[0]: line.split() for line in warmed.stdout.splitlines()[1:]}
     # requirement, version, items, MiB, result
     assert rows["terraform"][-4:] == ["1.11.4", "2", "0.0", "ok"]
-    assert rows["opentofu"][-4:] == ["1.8.8", "2", "0.0", "ok"]
-    assert len(release_requests(registry.requests)) == 4
+    assert rows["opentofu"][-4:] == ["1.8.8", "3", "0.0", "ok"]  # linux: .zip and .tar.gz
+    assert len(release_requests(registry.requests)) == 5
     registry.requests.clear()
     again = cli(*args, cwd=tmp_path)
     assert again.returncode == 0 and release_requests(registry.requests) == []  # resumable
@@ -60,7 +60,7 @@ def exported(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRe
     result = cli("export", "--config", str(connected), "--output", str(output), "--unsigned",
                  cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "4 CLI release archives" in result.stdout
+    assert "5 CLI release archives" in result.stdout
     return output
 
 
@@ -74,7 +74,7 @@ async def test_releases_cross_the_air_gap_and_are_served_offline(
     imported = cli("import", "--config", str(inside), "--allow-unsigned-bundle", str(exported),
                    cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr
-    assert "4 CLI release archives" in imported.stdout
+    assert "5 CLI release archives" in imported.stdout
     client = await aiohttp_client(create_app(load_config(inside, environ={})))
     release = registry.cli.releases[("terraform", "1.11.4")]
     for name in (release.archive("linux_amd64"), release.sums_name, release.keyed_signature):
@@ -87,9 +87,18 @@ async def test_releases_cross_the_air_gap_and_are_served_offline(
     response = await client.get("/releases/opentofu/opentofu/releases/download/v1.8.8/"
                                 + tofu.archive("darwin_arm64"))
     assert await response.read() == tofu.files[tofu.archive("darwin_arm64")]
+    # TofuDL's list names what is held, and each of it is served (the .tar.gz TofuDL takes).
+    api = await (await client.get("/releases/tofu/api.json")).json()
+    (held,) = [v["files"] for v in api["versions"] if v["id"] == "1.8.8"]
+    assert tofu.archive("linux_amd64", ".tar.gz") in held
+    assert tofu.archive("windows_amd64") not in held  # not warmed
+    for name in held:
+        response = await client.get(
+            f"/releases/opentofu/opentofu/releases/download/v1.8.8/{name}")
+        assert response.status == 200, name
     again = cli("import", "--config", str(inside), "--allow-unsigned-bundle", str(exported),
                 cwd=tmp_path)
-    assert again.returncode == 0 and "4 already in the cache" in again.stdout
+    assert again.returncode == 0 and "5 already in the cache" in again.stdout
 
 
 def test_a_tampered_release_archive_is_refused_on_import(tmp_path: Path, exported: Path,
@@ -123,3 +132,31 @@ def test_warm_cli_refuses_an_unknown_product_and_needs_something_to_warm(
     assert unknown.returncode == 2 and "expected one of terraform, opentofu" in unknown.stderr
     nothing = cli("warm", cwd=tmp_path)
     assert nothing.returncode == 2 and "nothing to warm" in nothing.stderr
+
+
+HOSTILE_ENTRIES: list[tuple[str, Any, str]] = [
+    ("product", "vault", "no CLI called"),
+    ("version", "../../etc", "invalid release version"),
+    ("filename", "terraform_1.10.5_linux_amd64.zip", "is not an archive of"),
+    ("filename", "../../../x.zip", "is not an archive of"),
+    ("sha256", "0" * 63, "is not valid"),
+    ("archive", "not/listed.zip", "is not a member listed"),
+    ("signatures", {"evil.sig": "x"}, "is not such a file"),
+    ("signatures", [], "is not an object of file names"),
+    ("extras", {"terraform_1.11.4_SHA256SUMS.pem": "x"}, "is not such a file"),
+]
+
+
+def test_hostile_release_entries_refuse_the_bundle_cleanly(
+        tmp_path: Path, exported: Path, release_keys: Path) -> None:
+    inside = _inside(tmp_path, release_keys)
+    for field, value, message in HOSTILE_ENTRIES:
+        members, manifest = read_bundle(exported)
+        entry = next(r for r in manifest["releases"] if r["product"] == "terraform")
+        entry[field] = value
+        forged = write_bundle(tmp_path / "forged.tar", members, manifest)
+        result = cli("import", "--config", str(inside), "--allow-unsigned-bundle",
+                     str(forged), cwd=tmp_path)
+        assert result.returncode == 2, (field, result.stdout)
+        assert message in result.stderr and "Traceback" not in result.stderr, field
+        assert not (tmp_path / "inside" / "releases").exists()

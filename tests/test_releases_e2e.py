@@ -35,7 +35,8 @@ def _runs(binary: Path) -> str:
 
 def _managers(proxy: ProxyProcess, signer: GpgKey) -> tuple[Tfenv, TenvTerraform, TenvTofu]:
     remote = proxy.url + "releases"
-    return (Tfenv(remote, proxy.ca_file, keys=signer.armored_public_key.encode()),
+    return (Tfenv(remote, proxy.ca_file, keys=signer.armored_public_key.encode(),
+                  key_postfix="." + signer.fingerprint[-8:].upper()),
             TenvTerraform(remote, proxy.ca_file, key_url=f"{remote}/keys/hashicorp.asc"),
             TenvTofu(remote, proxy.ca_file, key_url=f"{remote}/keys/opentofu.asc"))
 

@@ -187,26 +187,33 @@ def _plan_releases(target: ImportTarget, staged: dict[str, Path],
     present = set()
     for entry, release in releases:
         record_key = layout.release_record(entry.product.name, entry.version)
-        held = target.record(record_key) or target.planned(record_key)
-        if held is None:
+        held = target.planned(record_key) or target.record(record_key)
+        try:
+            held_sums = None if held is None else \
+                VerifiedRelease.from_record(release.product, release.version, held).sums
+        except (ValueError, KeyError, TypeError):
+            held_sums = None  # a damaged record: the bundle's verified one replaces it
+        if held_sums is None:
             target.set_record(record_key, release.to_record())
-        elif VerifiedRelease.from_record(release.product, release.version, held).sums \
-                != release.sums:
+        elif held_sums != release.sums:
             raise BundleError(f"{entry.sums}: the cache holds a different SHA256SUMS under "
                               "this name")
         stored = target.blob_sha256(entry.archive_key)
-        if stored == entry.sha256:
-            present.add(entry.archive_key)
-            continue
-        if stored is not None:
+        file_record = layout.release_file_record(entry.product.name, entry.version,
+                                                 entry.filename)
+        if stored is not None and stored != entry.sha256:
             raise BundleError(f"{entry.archive}: the cache holds a different archive under "
                               "this name")
-        target.put_file(staged[entry.archive], entry.archive_key)
+        if stored is None:
+            target.put_file(staged[entry.archive], entry.archive_key)
+        else:
+            present.add(entry.archive_key)
+            held_file = target.record(file_record)
+            if isinstance(held_file, dict) and held_file.get("sha256") == entry.sha256:
+                continue
         # No identity yet: the first hit reads the archive once against this sha256.
-        target.set_record(layout.release_file_record(entry.product.name, entry.version,
-                                                     entry.filename),
-                          {"sha256": entry.sha256, "size": listed[entry.archive][0],
-                           "stored_as": None})
+        target.set_record(file_record, {"sha256": entry.sha256,
+                                        "size": listed[entry.archive][0], "stored_as": None})
     return present
 
 

@@ -160,8 +160,8 @@ async def _module(session: aiohttp.ClientSession, requirement: Requirement,
 
 async def _cli(session: aiohttp.ClientSession, requirement: CliRequirement,
                platforms: list[str], result: WarmResult, progress: _Progress) -> None:
-    """A CLI release: every platform's zip (the SHA256SUMS and signatures are verified and
-    kept with the first)."""
+    """A CLI release: every archive of each platform (the SHA256SUMS and signatures are
+    verified and kept with the first)."""
     product = product_named(requirement.product)
     # What a proxy answered: a wrong shape raises (KeyError, TypeError), a problem of this
     # requirement.
@@ -177,14 +177,17 @@ async def _cli(session: aiohttp.ClientSession, requirement: CliRequirement,
     result.version = _pick(list(files), requirement)
     directory = urlsplit(version_directory("/", product, result.version)).path
     for platform in platforms:
-        name = product.archive_name(result.version, *platform.split("_", 1))
-        if name not in files[result.version]:
+        # Every archive of the platform (OpenTofu: the .zip tenv installs, the .tar.gz
+        # TofuDL installs).
+        names = [name for name in files[result.version]
+                 if product.platform_of(result.version, name) == platform]
+        if not names:
             result.problems.append(f"{result.version} is not available for {platform}")
-            continue
-        size = await _fetch(session, directory + name)
-        result.items += 1
-        result.bytes += size
-        progress.done(f"{product.name} {result.version} {platform}", size)
+        for name in names:
+            size = await _fetch(session, directory + name)
+            result.items += 1
+            result.bytes += size
+            progress.done(f"{product.name} {result.version} {name}", size)
 
 
 async def warm_cache(config: Config, requirements: list[Requirement | CliRequirement],

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from proxy.core.errors import BadRequest, NotFound
+from proxy.core.models import version_sort_key
 
 # A release version: MAJOR.MINOR.PATCH with an optional pre-release (no build metadata).
 _VERSION = re.compile(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})"
@@ -91,5 +92,9 @@ def parse_release_version(text: str) -> str:
     version = text.removeprefix("v")
     if len(version) > _MAX_VERSION or not _VERSION.fullmatch(version):
         raise BadRequest(f"invalid release version {text[:80]!r}")
+    try:  # semver's rules too (no leading zero in a numeric pre-release): it must sort
+        version_sort_key(version)
+    except ValueError:
+        raise BadRequest(f"invalid release version {text[:80]!r}") from None
     return version
 

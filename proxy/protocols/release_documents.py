@@ -49,9 +49,13 @@ def version_document(product: Product, version: str, files: list[str],
     sums = product.sums_name(version)
     signatures = [name for name in files if name.startswith(sums + ".")
                   and product.kind_of(version, name) == "signature"]
+    # The one signature tenv fetches: the plain `.sig` where it is listed (for a release the
+    # proxy holds: where it verified), else a keyed one that is.
+    plain = f"{sums}.sig"
+    signature = plain if plain in signatures or not signatures else signatures[0]
     return {"name": product.name, "version": version, "shasums": sums,
-            "shasums_signature": f"{sums}.sig",
-            "shasums_signatures": signatures or [f"{sums}.sig"],
+            "shasums_signature": signature,
+            "shasums_signatures": signatures or [plain],
             "builds": _builds(product, version, files, base_url)}
 
 

@@ -17,7 +17,14 @@ from collections import OrderedDict
 from proxy.config import UpstreamConfig
 from proxy.core.activity import Activity
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog
-from proxy.core.errors import IntegrityError, NotFound, Offline, UnknownVersion
+from proxy.core.errors import (
+    IntegrityError,
+    NotFound,
+    Offline,
+    ProxyError,
+    UnknownVersion,
+    UpstreamError,
+)
 from proxy.core.executors import quick
 from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
@@ -88,58 +95,70 @@ class CliReleases:
     # --- listing -------------------------------------------------------------------------
 
     async def listing(self, product: Product) -> Listing:
-        """Versions (newest first) and their files: upstream's list, with the releases the
-        store holds; offline, only those."""
+        """Versions (newest first) and their files: upstream's list merged with the releases
+        the store holds (their verified signature files only, their archives as stored);
+        offline, or with upstream failing and no copy of its list, the held ones alone."""
         self._client.require_served(product)
         held = await self._held_listing(product)
-        if self._offline:
-            listed: Listing = {}
-        else:
+        listed: Listing = {}
+        if not self._offline:
             try:
                 listed = await self._lists.get(
                     layout.release_list_record(product.name),
                     lambda: self._client.listing(product),
                     origin=self._client.origin(product))
+            except UpstreamError as exc:  # no copy to answer stale: what is held
+                log.warning("%s release list: %s; listing the releases held", product.name,
+                            exc.message)
+                self._activity.stale_answer(self._client.origin(product))
             except NotFound:  # no list configured (OpenTofu's api.json URL empty)
-                listed = {}
-        merged = {**listed, **{v: files for v, files in held.items() if v not in listed}}
+                pass
+        merged = dict(listed)
+        for version, files in held.items():
+            upstream = [name for name in listed.get(version, [])
+                        if product.kind_of(version, name) != "signature" or name in files]
+            merged[version] = upstream + [name for name in files if name not in upstream]
         return {version: merged[version]
                 for version in sorted(merged, key=version_sort_key, reverse=True)}
 
     async def _held_listing(self, product: Product) -> Listing:
+        """The releases the store holds: the archives stored, the SHA256SUMS and the files
+        served with it."""
+        stored: dict[str, list[str]] = {}
+        for info in await self._archives.list(layout.release_prefix(product.name)):
+            named = layout.parse_release_file(info.key)
+            if named is not None:
+                stored.setdefault(named[1], []).append(named[2])
         held: Listing = {}
         prefix = layout.release_record(product.name, "")
         for key in await self._index.keys(prefix):
-            version = key.removeprefix(prefix)
             try:
-                release = await self.release(product, parse_release_version(version))
-            except (NotFound, IntegrityError, ValueError):
+                version = parse_release_version(key.removeprefix(prefix))
+                release = await self.release(product, version)
+            except (ProxyError, ValueError):  # not such a release any more: not listed
                 continue
-            held[version] = [*release.checksums, *release.small_files(product)]
+            archives = [name for name in sorted(stored.get(version, []))
+                        if name in release.checksums]
+            held[version] = [*archives, *release.small_files(product)]
         return held
 
     # --- a release's SHA256SUMS ----------------------------------------------------------
 
     async def release(self, product: Product, version: str) -> VerifiedRelease:
-        """The version's SHA256SUMS, verified against the release keys (once: immutable
-        since), with the signature files served beside it."""
+        """The version's SHA256SUMS, verified against the release keys, with the signature
+        files served beside it. A stored one is checked again against the keys configured
+        now, once per process (the keys may have been replaced since it was stored)."""
         self._client.require_served(product)
         key = (product.name, version)
         held = self._held.get(key)
         if held is not None:
             self._held.move_to_end(key)
             return held
-        record_key = layout.release_record(product.name, version)
-        record = await self._index.get(record_key)
-        if record is not None:
-            try:
-                release = VerifiedRelease.from_record(product.name, version, record)
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring the malformed record of %s %s", product.name, version)
-            else:
-                self._metrics.cache_lookups.labels("release_sums", "hit").inc()
-                keep_recent(self._held, key, release, _HELD)
-                return release
+        stored = await self._stored_release(product, version)
+        if stored is not None:
+            self._metrics.cache_lookups.labels("release_sums", "hit").inc()
+            keep_recent(self._held, key, stored, _HELD)
+            return stored
         if self._offline:
             raise Offline(f"{product.name} {version} is not in the cache, and the proxy is "
                           "offline")
@@ -148,21 +167,38 @@ class CliReleases:
         keep_recent(self._held, key, release, _HELD)
         return release
 
+    async def _stored_release(self, product: Product, version: str) -> VerifiedRelease | None:
+        """The stored record, its signatures checked again against the keys configured now
+        (only those that verify are served); None when there is none or none verifies
+        (online: fetched again; offline: refused)."""
+        record = await self._index.get(layout.release_record(product.name, version))
+        if record is None:
+            return None
+        try:
+            stored = VerifiedRelease.from_record(product.name, version, record)
+            return await quick(verify_release, product, version, stored.sums,
+                               stored.signatures, self._keys[product.name], stored.extras)
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring the malformed record of %s %s", product.name, version)
+        except IntegrityError as exc:
+            failure = self._integrity(exc, f"{product.name} {version} SHA256SUMS (stored)")
+            if self._offline:
+                raise failure from None
+        return None
+
     async def _verify(self, product: Product, version: str) -> VerifiedRelease:
         try:
             sums = await self._client.sums(product, version)
         except NotFound:
             raise UnknownVersion(f"{product.name} has no release {version}") from None
-        signatures = {}
-        for name in signature_candidates(product, version, self._keys[product.name]):
-            found = await self._client.small_file(product, version, name)
-            if found is not None:
-                signatures[name] = found
-        extras = {}
-        for name in extra_names(product, version):
-            found = await self._client.small_file(product, version, name)
-            if found is not None:
-                extras[name] = found
+        signature_names = signature_candidates(product, version, self._keys[product.name])
+        extra_files = extra_names(product, version)
+        fetched = await asyncio.gather(*(self._client.small_file(product, version, name)
+                                         for name in [*signature_names, *extra_files]))
+        found = {name: data for name, data in zip([*signature_names, *extra_files], fetched,
+                                                  strict=True) if data is not None}
+        signatures = {name: found[name] for name in signature_names if name in found}
+        extras = {name: found[name] for name in extra_files if name in found}
         try:
             release = await quick(verify_release, product, version, sums, signatures,
                                   self._keys[product.name], extras)

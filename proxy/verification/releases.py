@@ -61,15 +61,19 @@ def load_release_keys(config: ReleasesConfig) -> dict[str, ReleaseKeys]:
 
 
 def parse_keys(text: str, source: str) -> ReleaseKeys:
-    """Every armored public key in text (ReleaseKeyError if none parses)."""
+    """Every OpenPGP public key in text: armored blocks, each of which may hold several keys
+    (what `gpg --armor --export K1 K2` writes). ReleaseKeyError if none parses."""
     armored, fingerprints = [], []
     for block in _ARMORED.findall(text):
         try:
-            cert = pysequoia.Cert.from_bytes(block.encode())
-        except Exception:
+            certs = pysequoia.Cert.split_bytes(block.encode())
+        except Exception:  # not OpenPGP data: the other blocks may still be keys
             continue
-        armored.append(block)
-        fingerprints.append(str(cert.fingerprint).upper())
+        for cert in certs:
+            fingerprint = str(cert.fingerprint).upper()
+            if fingerprint not in fingerprints:
+                armored.append(str(cert))
+                fingerprints.append(fingerprint)
     if not armored:
         raise ReleaseKeyError(f"{source} holds no armored OpenPGP public key")
     return ReleaseKeys(tuple(armored), tuple(fingerprints), source)
@@ -118,7 +122,7 @@ def verify_release(product: Product, version: str, sums: bytes,
                    extras: Mapping[str, bytes] | None = None) -> VerifiedRelease:
     """The release, keeping the signatures that verify with keys; IntegrityError (the first
     failure, naming the keys tried) when none does."""
-    whose = f"the {product.name} release keys ({keys.source})"
+    whose = f"the {product.name} release keys"
     verified: dict[str, bytes] = {}
     signed_by = ""
     failure: IntegrityError | None = None
@@ -133,11 +137,20 @@ def verify_release(product: Product, version: str, sums: bytes,
     if not verified:
         raise failure or IntegrityError("signature", f"{product.name} {version} publishes no "
                                         "signature over its SHA256SUMS")
-    if not parse_sha256sums(sums):
-        raise IntegrityError("checksum", f"{product.name} {version}: its SHA256SUMS lists no "
-                             "file")
+    _require_this_version(product, version, parse_sha256sums(sums))
     return VerifiedRelease(product.name, version, sums, verified, signed_by,
                            dict(extras or {}))
+
+
+def _require_this_version(product: Product, version: str, checksums: Mapping[str, str]) -> None:
+    """A signed SHA256SUMS vouches for names, not for the version it was asked for: it must
+    list an archive of this version and none of another (a mirror serving one version's
+    sums under another's name would otherwise be stored under the wrong version)."""
+    others = [name for name in checksums if name.startswith(f"{product.prefix}_")
+              and not name.startswith(f"{product.prefix}_{version}_")]
+    if others or not any(product.platform_of(version, name) for name in checksums):
+        raise IntegrityError("checksum", f"{product.name} {version}: its SHA256SUMS is not "
+                             f"that release's (it lists {', '.join(sorted(checksums)[:3])})")
 
 
 def signature_candidates(product: Product, version: str,

@@ -26,7 +26,9 @@ SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 TOKEN_NAME_KEY = web.RequestKey("token_name", str)
 # The binding (UrlSigner.binding) of the token a request authenticated with.
 TOKEN_BINDING_KEY = web.RequestKey("token_binding", str)
-_ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics"})
+# The release keys are public keys: tenv fetches a key URL without the credentials it sends
+# to the remote (TFENV_HASHICORP_PGP_KEY, TOFUENV_OPENTOFU_PGP_KEY).
+_ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics", "releases_keys"})
 # Pages for people: a browser cannot send a bearer token, but asks for a user name and
 # password when challenged with Basic; the password is the token.
 BASIC_ROUTES = frozenset({"status_page", "status_json"})

@@ -5,7 +5,8 @@ TofuDL's release list at `/get-opentofu/tofu/api.json`. Real zips holding an exe
 prints its version, a real SHA256SUMS and real detached OpenPGP signatures.
 
 Faults (the registry's fault set): "tamper-release" serves every archive with one byte
-changed, "badsig-release" serves signatures made by another key."""
+changed, "badsig-release" serves signatures made by another key, "badsig-plain" only the
+plain `.sig` (as releases before 2021 have one by a key since revoked)."""
 
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ class CliReleases:
             raise web.HTTPNotFound()
         data = release.files[name]
         faults = self._faults()
-        if "badsig-release" in faults:
+        if "badsig-release" in faults or ("badsig-plain" in faults and name.endswith(
+                "_SHA256SUMS.sig")):
             data = self._bad_signatures[(product, version)].get(name, data)
         if "tamper-release" in faults and name.endswith((".zip", ".tar.gz")):
             data = data[:-30] + bytes([data[-30] ^ 0xFF]) + data[-29:]
