@@ -221,3 +221,28 @@ async def test_a_client_that_stops_reading_is_cut_after_the_grace_period(
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
     writer.close()
+
+
+def test_idle_keep_alive_clients_do_not_hold_up_a_stop(
+        tmp_path: Path, write_config: Callable[..., Path]) -> None:
+    """A client that keeps its TLS connection open after its answer and never answers the
+    close_notify (Go's HTTP client, Terraform's, between requests) has nothing under way:
+    SIGTERM stops the proxy at once, not after the grace period."""
+    port, cache = free_port(), tmp_path / "cache"
+    proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
+                         tmp_path / "proxy.log",
+                         env={"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": "20"})
+    with proxy:
+        assert proxy.process is not None
+        context = ssl.create_default_context(cafile=str(proxy.ca_file))
+        raw = socket.create_connection(("127.0.0.1", port))
+        idle = context.wrap_socket(raw, server_hostname="127.0.0.1")
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        signalled = time.monotonic()
+        proxy.process.send_signal(signal.SIGTERM)
+        code = proxy.process.wait(timeout=30)
+        stopped = time.monotonic() - signalled
+        idle.close()
+    assert code == 0
+    assert stopped < 5, f"the stop waited {stopped:.1f} s for an idle connection"

@@ -14,6 +14,7 @@ import threading
 import time
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,32 @@ async def stop_serving(runner: web.BaseRunner, grace: float, cut: asyncio.Event)
         server.pre_shutdown()  # idle keep-alive connections close now, busy ones when done
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        # aiohttp signals no "last connection closed": look ten times a second.
-        while server.connections and not cut.is_set() and loop.time() < deadline:
+        # aiohttp signals no "last connection closed": look ten times a second. Only
+        # connections with a request under way are waited for: an idle keep-alive one (Go's
+        # HTTP client keeps Terraform's between requests) would hold the stop up to the
+        # grace period, its handler gone but its transport left open.
+        while any(_busy(c) for c in server.connections) \
+                and not cut.is_set() and loop.time() < deadline:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cut.wait(), min(0.1, deadline - loop.time()))
-        busy = [c for c in server.connections if c.transport is not None]
+        busy = [c for c in server.connections if _busy(c)]
         if busy:
             log.warning("cutting %d connection(s) still busy after the grace period",
                         len(busy))
-        for connection in busy:
+        for connection in list(server.connections):
             # abort, not close: close would wait for a slow client to take the buffered data.
             if connection.transport is not None:
                 connection.transport.abort()
         # Handlers not waiting on their connection (e.g. on a slow fill) are cancelled.
         await server.shutdown(CUT_TIMEOUT)
     await runner.cleanup()
+
+
+def _busy(connection: RequestHandler) -> bool:
+    """Whether a connection has a request under way (aiohttp's own flag; a version without
+    it counts every open connection as busy, as before)."""
+    return connection.transport is not None and bool(
+        getattr(connection, "_request_in_progress", True))
 
 
 def die_with_parent(grace: float) -> None:
