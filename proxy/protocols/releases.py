@@ -212,15 +212,16 @@ class CliReleases:
 
     async def small_file(self, product: Product, version: str, filename: str) -> bytes:
         """The SHA256SUMS, or a signature or certificate file served with it."""
-        if product.kind_of(version, filename) == "archive":
+        kind = product.kind_of(version, filename)
+        if kind == "archive":
             raise NotFound(f"{filename} is an archive, not a checksum or signature file")
         found = (await self.release(product, version)).small_files(product).get(filename)
-        if found is None:
+        if found is not None:
+            return found
+        if kind == "signature":
             raise NotFound(f"{product.name} {version} has no {filename} that verifies with "
-                           "the release keys" if product.kind_of(version, filename) ==
-                           "signature" else f"{product.name} {version} publishes no "
-                           f"{filename}")
-        return found
+                           "the release keys")
+        raise NotFound(f"{product.name} {version} publishes no {filename}")
 
     # --- archives ------------------------------------------------------------------------
 
