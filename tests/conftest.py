@@ -168,22 +168,22 @@ def registry(registry_server: FakeRegistry) -> Iterator[FakeRegistry]:
 ConfigFactory = Callable[..., Config]
 
 
-@pytest.fixture
-def write_config(tmp_path: Path, registry: FakeRegistry,
-                 upstream_ca_file: Path) -> Callable[..., Path]:
-    """Write a proxy config whose registry.terraform.io is the fake upstream."""
+def config_writer(directory: Path, registry: FakeRegistry,
+                  upstream_ca_file: Path) -> Callable[..., Path]:
+    """A function writing directory/proxy.toml: a proxy config whose registry.terraform.io
+    is the fake upstream (extra lines, cache directory, port, [upstream] lines)."""
 
     def write(extra: str = "", cache_dir: Path | None = None, port: int = 0,
               upstream_extra: str = "") -> Path:
-        path = tmp_path / "proxy.toml"
+        path = directory / "proxy.toml"
         path.write_text(
             f"""
 [server]
 listen = "127.0.0.1:{port or 8443}"
-state_dir = "{tmp_path / 'state'}"
+state_dir = "{directory / 'state'}"
 
 [cache]
-dir = "{cache_dir or tmp_path / 'cache'}"
+dir = "{cache_dir or directory / 'cache'}"
 
 [upstream]
 ca_bundle = "{upstream_ca_file}"
@@ -197,6 +197,13 @@ ca_bundle = "{upstream_ca_file}"
         return path
 
     return write
+
+
+@pytest.fixture
+def write_config(tmp_path: Path, registry: FakeRegistry,
+                 upstream_ca_file: Path) -> Callable[..., Path]:
+    """Write a proxy config whose registry.terraform.io is the fake upstream."""
+    return config_writer(tmp_path, registry, upstream_ca_file)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import ssl
 import subprocess
 import tarfile
@@ -24,6 +25,7 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.verification.hashes import h1_of_zip
+from tests.conftest import config_writer
 from tests.support.bundles import cli, offline_config, read_bundle, relist, write_bundle
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.gpg import GpgKey, generate_key, stop_agent
@@ -79,11 +81,57 @@ class KeyPair:
     public: Path
 
 
-@pytest.fixture
-def bundle_keys(tmp_path: Path) -> KeyPair:
-    """The exporter's key pair, from `keygen`."""
-    result = cli("keygen", "--output", str(tmp_path / "keys"), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory, registry_server: FakeRegistry,
+             upstream_ca_file: Path) -> Path:
+    """Once per module (the slow part): keygen; warm a connected proxy's cache from a
+    configuration and export it, signed (and a selection of it, as partial.tar). Each test
+    gets a copy (bundle_keys, bundle)."""
+    work = tmp_path_factory.mktemp("exported")
+    result = cli("keygen", "--output", str(work / "keys"), cwd=work)
     assert result.returncode == 0, result.stderr
+    secret = work / "keys" / "bundle-key.secret.asc"
+    registry_server.reset()
+    configuration = work / "configuration"
+    configuration.mkdir()
+    (configuration / "main.tf").write_text(ROOT_MODULE)
+    connected = config_writer(work, registry_server, upstream_ca_file)(
+        cache_dir=work / "connected")
+    warmed = cli("warm", "--config", str(connected), "--platform", "linux_amd64",
+                 "--platform", "darwin_arm64", str(configuration), cwd=work)
+    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
+    rows = {line.split("  ")[0].strip(): line.split() for line in warmed.stdout.splitlines()}
+    assert rows["registry.terraform.io/hashicorp/null ~> 3.1"][-4:] == ["3.2.1", "2", "0.0",
+                                                                       "ok"]
+    assert rows["registry.terraform.io/acme/net/aws 1.2.0"][-1] == "ok"
+    registry_server.requests.clear()
+    again = cli("warm", "--config", str(connected), "--platform", "linux_amd64",
+                str(configuration), cwd=work)
+    assert again.returncode == 0
+    assert registry_server.archive_requests() == []  # resumable: what is cached is not fetched
+    exported = cli("export", "--config", str(connected), "--output", str(work / "bundle.tar"),
+                   "--signing-key", str(secret), cwd=work)
+    assert exported.returncode == 0, exported.stderr
+    assert "4 provider packages, 2 module archives, signed with key " in exported.stdout
+    # A selection: only what a list names.
+    listing = work / "only-null.txt"
+    listing.write_text("hashicorp/null ~> 3.0\nacme/tarball/aws\n")
+    partial = work / "partial.tar"
+    selected = cli("export", "--config", str(connected), "--output", str(partial),
+                   "--signing-key", str(secret), str(listing), cwd=work)
+    assert selected.returncode == 0, selected.stderr
+    assert "2 provider packages, 1 module archives" in selected.stdout
+    with tarfile.open(partial) as tar:
+        names = tar.getnames()
+    assert not any("random" in n or "acme/net" in n for n in names)
+    registry_server.reset()
+    return work
+
+
+@pytest.fixture
+def bundle_keys(tmp_path: Path, exported: Path) -> KeyPair:
+    """The exporter's key pair, from `keygen` (a copy in this test's directory)."""
+    shutil.copytree(exported / "keys", tmp_path / "keys")
     return KeyPair(tmp_path / "keys" / "bundle-key.secret.asc",
                    tmp_path / "keys" / "bundle-key.public.asc")
 
@@ -106,43 +154,13 @@ def trusted_keys(tmp_path: Path, signer: GpgKey) -> Path:
 
 
 @pytest.fixture
-def bundle(tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry,
-           bundle_keys: KeyPair) -> Path:
-    """Warm a connected proxy's cache from a configuration and export it, signed (and a
-    selection of it, as partial.tar)."""
-    configuration = tmp_path / "configuration"
-    configuration.mkdir()
-    (configuration / "main.tf").write_text(ROOT_MODULE)
-    connected = write_config(cache_dir=tmp_path / "connected")
-    warmed = cli("warm", "--config", str(connected), "--platform", "linux_amd64",
-                 "--platform", "darwin_arm64", str(configuration), cwd=tmp_path)
-    assert warmed.returncode == 0, warmed.stdout + warmed.stderr
-    rows = {line.split("  ")[0].strip(): line.split() for line in warmed.stdout.splitlines()}
-    assert rows["registry.terraform.io/hashicorp/null ~> 3.1"][-4:] == ["3.2.1", "2", "0.0",
-                                                                       "ok"]
-    assert rows["registry.terraform.io/acme/net/aws 1.2.0"][-1] == "ok"
-    registry.requests.clear()
-    again = cli("warm", "--config", str(connected), "--platform", "linux_amd64",
-                str(configuration), cwd=tmp_path)
-    assert again.returncode == 0
-    assert registry.archive_requests() == []  # resumable: what is cached is not fetched again
-    output = tmp_path / "bundle.tar"
-    exported = cli("export", "--config", str(connected), "--output", str(output),
-                   "--signing-key", str(bundle_keys.secret), cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr
-    assert "4 provider packages, 2 module archives, signed with key " in exported.stdout
-    # A selection: only what a list names.
-    listing = tmp_path / "only-null.txt"
-    listing.write_text("hashicorp/null ~> 3.0\nacme/tarball/aws\n")
-    partial = tmp_path / "partial.tar"
-    selected = cli("export", "--config", str(connected), "--output", str(partial),
-                   "--signing-key", str(bundle_keys.secret), str(listing), cwd=tmp_path)
-    assert selected.returncode == 0, selected.stderr
-    assert "2 provider packages, 1 module archives" in selected.stdout
-    with tarfile.open(partial) as tar:
-        names = tar.getnames()
-    assert not any("random" in n or "acme/net" in n for n in names)
-    return output
+def bundle(tmp_path: Path, exported: Path, bundle_keys: KeyPair) -> Path:
+    """The signed bundle of a warmed cache (and partial.tar, a selection of it), with the
+    connected cache it came from, copied into this test's directory."""
+    shutil.copytree(exported / "connected", tmp_path / "connected")
+    for name in ("bundle.tar", "partial.tar"):
+        shutil.copy2(exported / name, tmp_path / name)
+    return tmp_path / "bundle.tar"
 
 
 @pytest.mark.e2e
