@@ -39,10 +39,6 @@ class Product:
         """The name of a version's SHA256SUMS."""
         return f"{self.prefix}_{version}_SHA256SUMS"
 
-    def archive_name(self, version: str, os: str, arch: str, suffix: str = ".zip") -> str:
-        """The name of a version's archive for one platform."""
-        return f"{self.prefix}_{version}_{os}_{arch}{suffix}"
-
     def platform_of(self, version: str, filename: str) -> str | None:
         """`os_arch` of one of the version's archives; None for another name."""
         stem = filename.removeprefix(f"{self.prefix}_{version}_")

@@ -40,6 +40,7 @@ from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.store.spool import StoredArchive, new_spool, store_package
 from proxy.upstream.releases import Listing, ReleasesClient
+from proxy.verification.integrity import reported
 from proxy.verification.releases import (
     ReleaseKeys,
     VerifiedRelease,
@@ -328,11 +329,8 @@ class CliReleases:
 
     def _integrity(self, exc: IntegrityError, artifact: str) -> IntegrityError:
         """Count, log and list (the status page) an integrity failure of artifact."""
-        self._metrics.integrity_failures.labels(exc.kind).inc()
-        self._activity.integrity_failure(artifact, exc.kind, exc.message)
-        log.error("integrity failure (%s): %s: %s", exc.kind, artifact, exc.message)
-        return IntegrityError(exc.kind, f"{artifact}: {exc.message}",
-                              signed_by=exc.signed_by, keys_tried=exc.keys_tried)
+        return reported(self._metrics, self._activity, exc.kind, f"{artifact}: {exc.message}",
+                        artifact, exc)
 
 
 def _published(source: Source) -> bool:

@@ -37,6 +37,7 @@ from proxy.upstream.documents import (
 )
 from proxy.upstream.http import Download
 from proxy.upstream.provider_registry import ProviderRegistryClient
+from proxy.verification.integrity import reported
 from proxy.verification.signatures import verify_detached
 
 log = logging.getLogger(__name__)
@@ -325,13 +326,7 @@ class VerifiedPackages:
         """Count, log, record (the status page) and return an integrity failure of artifact
         (provider, version and platform, or the SHA256SUMS file), with the key IDs cause
         names."""
-        self._metrics.integrity_failures.labels(kind).inc()
-        self._activity.integrity_failure(artifact, kind, message)
-        log.error("integrity failure (%s): %s", kind, message)
-        if cause is None:
-            return IntegrityError(kind, message)
-        return IntegrityError(kind, message, signed_by=cause.signed_by,
-                              keys_tried=cause.keys_tried)
+        return reported(self._metrics, self._activity, kind, message, artifact, cause)
 
 
 def _entry_to_record(entry: VersionEntry) -> dict[str, Any]:

@@ -24,9 +24,6 @@ OPENTOFU_TREE = "/releases/opentofu/opentofu/releases/download"
 KEY_FILES = {"hashicorp.asc": TERRAFORM, "opentofu.asc": OPENTOFU}
 _TYPES = {"sums": "text/plain", "signature": "application/octet-stream",
           "extra": "application/octet-stream"}
-RELEASE_ROUTES = ("releases_keys", "releases_list", "releases_index", "releases_version",
-                  "releases_version_index", "releases_file", "releases_tofu_list",
-                  "releases_tofudl", "releases_tofu_file")
 
 
 def add_release_routes(get: RouteAdder) -> None:

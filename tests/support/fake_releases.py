@@ -189,9 +189,7 @@ class CliReleases:
         return web.Response(body=data, content_type="application/octet-stream")
 
 
-def release_requests(requests: list[tuple[str, str]],
-                     keep: Callable[[str], bool] = lambda path: True) -> list[str]:
+def release_requests(requests: list[tuple[str, str]]) -> list[str]:
     """The paths of the releases' archives the upstream was asked for."""
     return [path for _method, path in requests
-            if path.endswith((".zip", ".tar.gz")) and keep(path)
-            and path.startswith(("/hashicorp/", "/github/"))]
+            if path.endswith((".zip", ".tar.gz")) and path.startswith(("/hashicorp/", "/github/"))]
