@@ -48,7 +48,8 @@ def test_list_verify_and_prune_on_s3(tmp_path: Path, write_config: Callable[...,
         bad = proxy.cli("cache", "verify")
         no_escapes(bad)
         assert bad.returncode == 1, bad.stdout + bad.stderr
-        assert f"BAD {null_darwin.key}: the stored file has sha256" in bad.stdout
+        assert f"BAD {null_darwin.key}: the stored file (the object in the bucket) has " \
+            "sha256" in bad.stdout
         assert "1 bad (1 dropped" in bad.stdout
         assert objects.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount") == 0
         registry.requests.clear()

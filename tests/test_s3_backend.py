@@ -67,7 +67,7 @@ async def test_a_second_replica_with_an_empty_cache_dir_serves_a_fill_without_up
     assert list((tmp_path / "second" / "s3" / "archives").rglob("*.zip~*"))  # a hot copy
 
 
-async def test_hits_with_a_hot_copy_keep_serving_while_the_bucket_is_down_misses_get_503(
+async def test_hits_with_a_hot_copy_keep_serving_while_the_bucket_is_down_misses_get_503_ready_stays(
         aiohttp_client, proxy_config: Config, registry: FakeRegistry,  # type: ignore[no-untyped-def]
         weed: WeedMini, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = weed.start()
@@ -84,9 +84,11 @@ async def test_hits_with_a_hot_copy_keep_serving_while_the_bucket_is_down_misses
     miss = await client.get(archive_path("darwin_arm64"))
     assert miss.status == 503
     assert "object store" in (await miss.json())["errors"][0]
+    # Still ready (degraded): the store is every replica's, its hot copies still serve.
     ready = await client.get("/readyz")
-    assert ready.status == 503
-    assert "object store" in (await ready.json())["errors"][0]
+    assert ready.status == 200
+    assert (await ready.json())["status"] == "degraded"
+    assert "object store" in (await ready.json())["problem"]
     exposition = await (await client.get("/metrics")).text()
     assert (sample(exposition, "tfproxy_store_operations_total", backend="s3",
                    operation="head", outcome="unreachable") or 0) >= 1

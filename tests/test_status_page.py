@@ -81,7 +81,8 @@ async def test_status_counts_a_miss_a_hit_and_upstream_health(make: AppClient,
     assert 0 < lookups["hits"] < lookups["total"]
     assert lookups["hit_rate"] == round(lookups["hits"] / lookups["total"], 4)
     assert document["cache"] == {"backend": "disk", "bytes": len(zipped), "files": 1,
-                                 "max_bytes": None, "used_fraction": None}
+                                 "max_bytes": None, "used_fraction": None,
+                                 "store": {"reachable": True, "problem": None}}
     assert document["fills_in_flight"] == 0
     healthy = upstream(document, "registry.terraform.io")
     assert healthy["last_success"] is not None and healthy["requests_ok"] >= 4

@@ -62,6 +62,10 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         if name == "verify":
             command.add_argument("--dry-run", action="store_true",
                                  help="report bad files; drop none")
+            command.add_argument("--objects", action="store_true",
+                                 help="with cache.s3: read the bucket's objects themselves "
+                                      "(every byte, from the bucket), not this replica's hot "
+                                      "copies of them")
 
 
 def cache_command(config: Config, args: argparse.Namespace) -> int:
@@ -70,7 +74,8 @@ def cache_command(config: Config, args: argparse.Namespace) -> int:
     if args.cache_command == "prune":
         return prune_command(config, args)
     if args.cache_command == "verify":
-        return run_on_store(_verify(config, args.filter, args.dry_run), config, "verify")
+        return run_on_store(_verify(config, args.filter, args.dry_run, args.objects), config,
+                            "verify")
     if args.cache_command == "stats":
         return run_on_store(_stats(config, args.json), config, "stats")
     return run_on_store(_list(config, args.filter, args.json), config, "list")
@@ -96,7 +101,8 @@ async def _stats(config: Config, as_json: bool) -> int:
     return 0
 
 
-async def _verify(config: Config, selected: AddressPattern | None, dry_run: bool) -> int:
+async def _verify(config: Config, selected: AddressPattern | None, dry_run: bool,
+                  objects: bool) -> int:
     async with opened_store(config) as storage:
         held = await held_blobs(storage, selected)
         with DamageReports(config, dry_run) as reports, progress("verify") as shown:
@@ -107,12 +113,13 @@ async def _verify(config: Config, selected: AddressPattern | None, dry_run: bool
                 done += 1
                 shown.update(done, len(held), blob.key)
                 if what == "bad":
-                    print(f"BAD {blob.key}: the stored file {why}")
+                    print(f"BAD {blob.key}: {why}")
                 elif not shown.on_terminal:  # the plain progress: one line per file
                     print(f"{_OUTCOMES[what]} {blob.key}")
 
             shown.update(0, len(held))
-            report = await verify_held(storage, held, dry_run, outcome, reports.damaged)
+            report = await verify_held(storage, held, dry_run, outcome, reports.damaged,
+                                       shared=objects)
     print(_summary(report, dry_run))
     return DAMAGED if report.bad else 0
 

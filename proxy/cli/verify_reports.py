@@ -16,7 +16,8 @@ from proxy.core.activity_share import SnapshotShare
 from proxy.core.audit import Artifact, AuditLog, Requester, local_user
 from proxy.protocols.status import snapshot_directory
 from proxy.store.contents import HeldBlob
-from proxy.verification.stored_hashes import DamagedFile
+from proxy.store.damage import DamagedFile, Dropped
+from proxy.verification.stored_drops import integrity_kind, what_went
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +54,20 @@ class DamageReports:
             log.warning("cannot share the integrity failures with the status page in %s: %s",
                         self._share.directory, exc)
 
-    def damaged(self, blob: HeldBlob, damage: DamagedFile, recorded_sha256: str) -> None:
-        """A damaged blob this verify dropped (or, dry run, found)."""
+    def damaged(self, blob: HeldBlob, damage: DamagedFile, recorded_sha256: str,
+                dropped: Dropped) -> None:
+        """A damaged blob this verify dropped (or, dry run, found): `dropped` says which
+        copy held the damage."""
         self._found += 1
-        fate = "kept (--dry-run)" if self._dry_run else "dropped, to be fetched again"
-        reason = f"the stored file {damage.message}"
+        fate = "kept (--dry-run)" if self._dry_run else what_went(dropped)
+        reason = f"{'the stored file' if self._dry_run else dropped.where()} {damage.message}"
         self._audit.record("damaged" if self._dry_run else "dropped", _artifact(blob),
                            outcome="integrity", requester=Requester(), user=self._user,
                            reason=reason, sha256_found=damage.sha256,
-                           sha256_recorded=recorded_sha256)
-        self._activity.integrity_failure(_name(blob), damage.kind, f"{reason}; {fate}")
+                           sha256_recorded=recorded_sha256,
+                           copy="local" if dropped is Dropped.LOCAL_COPY else "stored")
+        self._activity.integrity_failure(_name(blob), integrity_kind(dropped, damage),
+                                         f"{reason}; {fate}")
 
 
 def _artifact(blob: HeldBlob) -> Artifact:

@@ -12,8 +12,10 @@ from proxy.core.redaction import mask_secrets
 # signature: SHA256SUMS not signed by upstream's keys; sha256sums: the download document and
 # SHA256SUMS disagree; checksum: the bytes are not the listed sha256; archive: not a valid
 # zip; changed: upstream now describes a verified version differently; stored: a file in the
-# cache no longer matches its verified checksum.
-IntegrityKind = Literal["signature", "sha256sums", "checksum", "archive", "changed", "stored"]
+# cache no longer matches its verified checksum; hot_copy: a replica's local copy of a shared
+# store's blob was written to since it was checked (dropped and fetched again from the store).
+IntegrityKind = Literal["signature", "sha256sums", "checksum", "archive", "changed", "stored",
+                        "hot_copy"]
 INTEGRITY_KINDS: tuple[IntegrityKind, ...] = get_args(IntegrityKind)
 
 

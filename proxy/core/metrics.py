@@ -166,6 +166,10 @@ class Metrics:
             "tfproxy_store_operations", "Requests to the storage backend by backend, operation "
             "(head, get, put, list, delete, ...) and outcome (ok, absent, conflict, error, "
             "unreachable).", "backend", "operation", "outcome")
+        self.store_up = Gauge(
+            "tfproxy_store_up", "1 while the shared store (cache.s3's bucket) answers, 0 while "
+            "it is unreachable: probed every few seconds whatever the traffic (S3 only).",
+            ["backend"], registry=registry, multiprocess_mode="livemin")
         self.store_latency = Histogram("tfproxy_store_operation_seconds",
                                        "Storage backend request latency.",
                                        ["backend", "operation"], registry=registry)

@@ -32,6 +32,7 @@ from proxy.modules.packing import read_packed
 from proxy.modules.sources import ModuleSource, parse_source
 from proxy.protocols.held_documents import VersionListAnswers
 from proxy.store import layout
+from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import (
     FileIdentity,
     identity_from_record,
@@ -42,10 +43,9 @@ from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
 from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
-from proxy.verification.stored_drops import drop_damaged
+from proxy.verification.stored_drops import drop_damaged, integrity_kind, what_went
 from proxy.verification.stored_hashes import (
     CheckedFiles,
-    DamagedFile,
     Vouch,
     adopt_stored,
     fingerprint,
@@ -199,30 +199,35 @@ class ModuleRegistry:
 
     async def _drop_damaged(self, module: ModuleAddress, version: str, key: str,
                             damage: DamagedFile) -> None:
-        """Drop a damaged stored archive under the module's fill lock; offline, that leaves
-        nothing to serve (Offline)."""
+        """Drop a damaged stored archive under the module's fill lock; offline, when that
+        left nothing to serve, Offline."""
         async with self._archives.fill_lock(_fill_key(module, version), "module"):
-            await self._drop_locked(module, version, key, damage)
-        if self._offline:
+            dropped = await self._drop_locked(module, version, key, damage)
+        if self._offline and dropped is not Dropped.LOCAL_COPY:
             raise Offline(f"the stored archive of module {module} {version} was damaged, "
                           "and the proxy is offline")
 
     async def _drop_locked(self, module: ModuleAddress, version: str, key: str,
-                           damage: DamagedFile) -> None:
+                           damage: DamagedFile) -> Dropped:
         """Delete a damaged stored archive and its record, then count and log it: once, by
         whoever deletes it."""
         self._checked.forget(key)
-        if not await drop_damaged(self._archives, key, damage, lambda: self._cache.delete(
-                layout.module_archive_record(module, version))):
+        dropped = await drop_damaged(self._archives, key, damage, lambda: self._cache.delete(
+            layout.module_archive_record(module, version)))
+        if dropped is Dropped.NOTHING:
             # Gone, or replaced by a fill since it was read: the record is the fill's.
             log.info("module %s %s: the stored archive %s; already dropped or replaced",
                      module, version, damage.message)
-            return
-        self._metrics.integrity_failures.labels(damage.kind).inc()
-        self._activity.integrity_failure(f"module {module} {version}", damage.kind,
-                                         f"the stored archive {damage.message}; dropped")
-        log.error("integrity failure (%s): module %s %s: the stored archive %s; dropped, to be "
-                  "fetched again", damage.kind, module, version, damage.message)
+            return dropped
+        kind = integrity_kind(dropped, damage)
+        where = "the local hot copy of the archive" if dropped is Dropped.LOCAL_COPY \
+            else "the stored archive"
+        self._metrics.integrity_failures.labels(kind).inc()
+        self._activity.integrity_failure(f"module {module} {version}", kind,
+                                         f"{where} {damage.message}; {what_went(dropped)}")
+        log.error("integrity failure (%s): module %s %s: %s %s; %s", kind, module, version,
+                  where, damage.message, what_went(dropped))
+        return dropped
 
     def _start_fill(self, module: ModuleAddress, version: str) -> asyncio.Future[BlobInfo]:
         # One fill per module version, across the processes sharing the cache too.

@@ -32,11 +32,12 @@ from proxy.protocols.oci_records import (
     is_digest,
 )
 from proxy.store import layout
+from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
-from proxy.verification.stored_drops import drop_damaged
-from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, Vouch, fingerprint
+from proxy.verification.stored_drops import drop_damaged, what_went
+from proxy.verification.stored_hashes import CheckedFiles, Vouch, fingerprint
 
 log = logging.getLogger(__name__)
 _HELD = 4096
@@ -210,7 +211,10 @@ class OciModules:
         async with self._archives.fill_lock(layout.module_zip_fill(module, version),
                                             "module zip"):
             self._checked.forget(key)
-            if await drop_damaged(self._archives, key, damage, lambda: self._index.delete(
-                    layout.module_zip_record(module, version))):
-                log.warning("module %s %s: its stored OCI zip %s; dropped, to be made again",
-                            module, version, damage.message)
+            dropped = await drop_damaged(self._archives, key, damage, lambda: self._index.delete(
+                layout.module_zip_record(module, version)))
+            if dropped is not Dropped.NOTHING:
+                where = "the local hot copy of its OCI zip" if dropped is Dropped.LOCAL_COPY \
+                    else "its stored OCI zip"
+                log.warning("module %s %s: %s %s; %s", module, version, where, damage.message,
+                            what_went(dropped))

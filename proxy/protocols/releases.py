@@ -34,6 +34,7 @@ from proxy.core.releases import Product, parse_release_version
 from proxy.core.singleflight import Offer, SingleFlight
 from proxy.core.spool import GrowingFile
 from proxy.store import layout
+from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.store.freshness import RefreshingDocuments
 from proxy.store.leases import fill_unless_published
@@ -48,8 +49,8 @@ from proxy.verification.releases import (
     signature_candidates,
     verify_release,
 )
-from proxy.verification.stored_drops import drop_damaged
-from proxy.verification.stored_hashes import CheckedFiles, DamagedFile, Vouch
+from proxy.verification.stored_drops import drop_damaged, integrity_kind, what_went
+from proxy.verification.stored_hashes import CheckedFiles, Vouch
 
 log = logging.getLogger(__name__)
 _HELD = 1024
@@ -282,9 +283,13 @@ class CliReleases:
         async with self._archives.fill_lock(
                 layout.release_fill(product.name, version, filename), "release"):
             self._checked.forget(key)
-            if await drop_damaged(self._archives, key, damage, lambda: self._index.delete(
-                    layout.release_file_record(product.name, version, filename))):
-                self._integrity(damage, f"{product.name} {version} {filename} (stored)")
+            dropped = await drop_damaged(self._archives, key, damage, lambda: self._index.delete(
+                layout.release_file_record(product.name, version, filename)))
+            if dropped is not Dropped.NOTHING:
+                artifact = f"{product.name} {version} {filename}"
+                reported(self._metrics, self._activity, integrity_kind(dropped, damage),
+                         f"{artifact}: {dropped.where()} {damage.message}; "
+                         f"{what_went(dropped)}", artifact)
 
     async def _fill(self, product: Product, version: str, filename: str, expected: str,
                     offer: Offer[Source]) -> Source:

@@ -97,6 +97,7 @@ class StatusReport:
         hosts: dict[str, HostHealth] = merged["hosts"]
         names = sorted(set(upstream.all_hosts) | set(hosts))
         max_size = self._config.cache.max_size
+        store_problem = self._blobs.store_problem()
         return {
             "version": __version__,
             "generated_at": _iso(time.time()),
@@ -112,6 +113,8 @@ class StatusReport:
                 "max_bytes": max_size,
                 "used_fraction": None if not max_size else
                 round(self._blobs.used_bytes / max_size, 4),
+                # The shared store (S3): while unreachable, hot copies serve, misses get 503.
+                "store": {"reachable": store_problem is None, "problem": store_problem},
             },
             "lookups": _lookups(merged.get("lookups", {})),
             "fills_in_flight": int(merged.get("fills_in_flight", 0)),

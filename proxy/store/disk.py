@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,12 +20,20 @@ from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 from proxy.store.archives import ArchiveStore, FillLock
+from proxy.store.damage import Dropped
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.index import MetadataCache
 from proxy.store.layout import AREAS
 from proxy.store.metered import MeteredBlobStore, MeteredIndex
-from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
+from proxy.store.protocol import (
+    BlobInfo,
+    DamageListener,
+    Ready,
+    Storage,
+    check_key,
+    export_usage,
+)
 from proxy.store.usage import open_to_check
 
 log = logging.getLogger(__name__)
@@ -203,6 +212,18 @@ class DiskBlobStore:
         """Delete the file unless another replaced it since identity was read."""
         return await self.files.discard(self.path_of(key), identity)
 
+    async def drop_damaged(self, key: str, identity: FileIdentity | None,
+                           expected: str | None) -> Dropped:
+        """The file goes (the one copy there is) if it still has identity."""
+        return Dropped.BLOB if await self.delete(key, identity) else Dropped.NOTHING
+
+    async def open_shared(self, key: str) -> DiskBlob | None:
+        """The file itself (there is no other copy), not recorded as a use."""
+        return await self.open(key, use=False)
+
+    def watch_damage(self, listener: DamageListener) -> None:
+        """Damage is found by the readers of files: nothing to tell."""
+
     def listed(self, prefix: str) -> list[BlobInfo]:
         """list, blocking (commands that work on the cache directory)."""
         return sorted((info for info, _used in self._listed(prefix)),
@@ -256,13 +277,19 @@ class DiskBlobStore:
 
     def health_problem(self) -> str | None:
         """The temp directory refuses a write, or the disk filled up."""
-        probe = self.files.tmp / f".readyz-{os.getpid()}"
+        # A name of its own per call: probes run at once (Kubernetes, a load balancer and
+        # monitoring) must not remove each other's file.
+        probe = self.files.tmp / f".readyz-{os.getpid()}-{uuid.uuid4().hex}"
         try:
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as exc:
             return f"cache directory {self.files.tmp} is not writable: {exc.strerror}"
         return self.files.disk.problem()
+
+    def store_problem(self) -> None:
+        """No store beyond this disk."""
+        return None
 
     async def direct_url(self, key: str) -> None:
         """Files are sent by the proxy."""

@@ -205,6 +205,24 @@ def blob_of_record(key: str) -> str | None:
     return None if package is None else provider_archive(*package)
 
 
+def vouching_sha256(key: str) -> tuple[str, str] | None:
+    """Where the sha256 that a blob's bytes must have is recorded: the index key of the record
+    that vouches for the blob at key and the record's field that holds it (a package's signed
+    `shasum`, the `sha256` of a module archive, a module zip or a release archive); None for
+    a key that names none of them."""
+    package = parse_provider_archive(key)
+    if package is not None:
+        return package_record(*package), "shasum"
+    module = parse_module_archive(key)
+    if module is not None:
+        return module_archive_record(*module), "sha256"
+    module = parse_module_zip(key)
+    if module is not None:
+        return module_zip_record(*module), "sha256"
+    release = parse_release_file(key)
+    return None if release is None else (release_file_record(*release), "sha256")
+
+
 MODULE_ARCHIVE_RECORDS = "module-archive/"
 MODULE_ZIP_RECORDS = "module-zip/"
 RELEASE_RECORDS = "release/"

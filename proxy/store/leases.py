@@ -7,10 +7,15 @@ last (S3: If-Match on its ETag), and releases it with a delete on that version, 
 holder never removes a lease another took. Each write carries a fresh random token: no two
 writes look alike (an object store's ETag is a hash of the body).
 
-A waiter polls with backoff (`first_poll` doubling up to `max_poll`) and takes a lease over
+A waiter polls with backoff (`first_poll` doubling up to `max_poll`, a quarter second: a
+waiter on another replica serves a package within that of its publish) and takes a lease over
 with a compare-and-set on the version it observed (exactly one taker) once the lease expired:
 its `expires_at` passed by the waiter's clock, or it did not change for a whole duration by
 the waiter's monotonic clock (a holder whose clock runs ahead cannot block a fill for long).
+A lease document that cannot be read (empty, cut short, written by something else) counts as
+one with no expiry: taken over once it stayed the same for a whole duration. A waiter gives
+up after `max_wait` seconds in all (503): a holder that keeps renewing cannot hold its
+clients forever.
 Between polls it asks `ready` whether the artifact was published meanwhile, and then stops
 waiting at once (the lock is entered, not held): waiters on other replicas serve a package as
 soon as it is published, not when the holder is done with it (its h1 pass).
@@ -51,8 +56,14 @@ class LeaseTimings:
 
     seconds: float = 30.0
     first_poll: float = 0.05
-    max_poll: float = 1.0
+    max_poll: float = 0.25
     error_patience: float = 5.0
+    max_wait: float = 1800.0
+
+    @classmethod
+    def for_duration(cls, seconds: float, max_wait: float = 1800.0) -> LeaseTimings:
+        """The timings of leases that last seconds unrenewed, waited for max_wait at most."""
+        return cls(seconds=seconds, max_wait=max_wait)
 
     @property
     def renew_every(self) -> float:
@@ -207,17 +218,22 @@ class IndexLease:
                 "write": uuid.uuid4().hex}
 
     async def _acquire(self) -> str | None:
-        """acquired, waited or taken_over once held; None if ready said to stop waiting."""
+        """acquired, waited or taken_over once held; None if ready said to stop waiting.
+        Each poll reads the lease (and asks `ready`); it is created only when it is absent."""
         delay = self._timings.first_poll
         waited = False
         seen: tuple[str, float] | None = None  # a version, and since when (monotonic)
+        give_up = time.monotonic() + self._timings.max_wait
+        absent = True  # as far as this waiter knows: try to create it
         while True:
-            await self._leases.patiently(
-                self._name, lambda: self._index.create(self._key, self._document()))
+            if absent:
+                await self._leases.patiently(
+                    self._name, lambda: self._index.create(self._key, self._document()))
             found = await self._leases.patiently(
                 self._name, lambda: self._index.get_versioned(self._key))
-            if found is None:
-                continue  # released meanwhile
+            absent = found is None
+            if found is None:  # released meanwhile: create it at once
+                continue
             document, version = found
             if document.get("owner") == self._owner:  # created by this call (or the retry)
                 self._version = version
@@ -227,11 +243,16 @@ class IndexLease:
             if self._expired(document, time.monotonic() - seen[1]):
                 if await self._take_over(document, version):
                     return "taken_over"
+                await asyncio.sleep(delay)  # another took it: look again after a pause
                 continue
             waited = True
             if self._ready is not None and await self._ready():
                 self._leases.count("waited")
                 return None
+            if time.monotonic() >= give_up:
+                raise Unavailable(
+                    f"waited {self._timings.max_wait:.0f} s for another replica's fill of "
+                    f"{self._what} ({document.get('holder', 'an unknown holder')}); try again")
             await self._leases.wait_release(self._key, delay)
             delay = min(delay * 2, self._timings.max_poll)
 

@@ -23,11 +23,19 @@ from typing import Any, BinaryIO
 from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
+from proxy.store.damage import Dropped
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 from proxy.store.leases import FillLeases, LeaseTimings, lease_outcomes
 from proxy.store.metered import MeteredBlobStore, MeteredIndex
-from proxy.store.protocol import BlobInfo, Ready, Storage, check_key, export_usage
+from proxy.store.protocol import (
+    BlobInfo,
+    DamageListener,
+    Ready,
+    Storage,
+    check_key,
+    export_usage,
+)
 
 # Eviction frees down to this share of the limit, as the disk backend does.
 _LOW_WATER = 0.9
@@ -200,6 +208,18 @@ class MemoryBlobStore:
         self._used.pop(key, None)
         return True
 
+    async def drop_damaged(self, key: str, identity: FileIdentity | None,
+                           expected: str | None) -> Dropped:
+        """The blob goes (the one copy there is) if it still has identity."""
+        return Dropped.BLOB if await self.delete(key, identity) else Dropped.NOTHING
+
+    async def open_shared(self, key: str) -> MemoryBlob | None:
+        """The blob itself, not recorded as a use."""
+        return await self.open(key, use=False)
+
+    def watch_damage(self, listener: DamageListener) -> None:
+        """Nothing is mended here: nothing to tell."""
+
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every blob under prefix, in key order."""
         return [self._blobs[key].info for key in sorted(self._blobs) if key.startswith(prefix)]
@@ -225,6 +245,10 @@ class MemoryBlobStore:
         if not os.access(self.scratch, os.W_OK):
             return f"scratch directory {self.scratch} is not writable"
         return self._disk.problem()
+
+    def store_problem(self) -> None:
+        """No store beyond this process."""
+        return None
 
     async def direct_url(self, key: str) -> None:
         """Blobs in memory are sent by the proxy."""

@@ -13,8 +13,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.core.metrics import Metrics
+from proxy.store.damage import Dropped
 from proxy.store.file_identity import FileIdentity
-from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex, OpenBlob, Ready
+from proxy.store.protocol import (
+    BlobInfo,
+    BlobStore,
+    DamageListener,
+    MetadataIndex,
+    OpenBlob,
+    Ready,
+)
 
 T = TypeVar("T")
 
@@ -78,6 +86,20 @@ class MeteredBlobStore:
         """Counted as delete."""
         return await self._meter.timed("delete", self.inner.delete(key, identity))
 
+    async def drop_damaged(self, key: str, identity: FileIdentity | None,
+                           expected: str | None) -> Dropped:
+        """Counted as delete."""
+        return await self._meter.timed("delete", self.inner.drop_damaged(key, identity,
+                                                                         expected))
+
+    async def open_shared(self, key: str) -> OpenBlob | None:
+        """Counted as open."""
+        return await self._meter.timed("open", self.inner.open_shared(key))
+
+    def watch_damage(self, listener: DamageListener) -> None:
+        """The inner store's."""
+        self.inner.watch_damage(listener)
+
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Counted as list."""
         return await self._meter.timed("list", self.inner.list(prefix))
@@ -98,6 +120,10 @@ class MeteredBlobStore:
     def health_problem(self) -> str | None:
         """The inner store's."""
         return self.inner.health_problem()
+
+    def store_problem(self) -> str | None:
+        """The inner store's."""
+        return self.inner.store_problem()
 
     async def direct_url(self, key: str) -> str | None:
         """The inner store's."""

@@ -19,11 +19,14 @@ from typing import Any, BinaryIO, Protocol
 
 from proxy.config.settings import CacheConfig
 from proxy.core.metrics import Metrics
+from proxy.store.damage import Dropped
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity
 
 # Asked while waiting for a fill lock: whether the artifact was published meanwhile.
 Ready = Callable[[], Awaitable[bool]]
+# Told of damage a store found and mended by itself: the blob's key, and what was wrong.
+DamageListener = Callable[[str, str], None]
 
 # A key segment: no empty, `.` or `..` segment, no backslash, no NUL, no control character.
 _UNSAFE_SEGMENT = re.compile(r"\.{0,2}|.*[\\\x00-\x1f].*", re.DOTALL)
@@ -133,6 +136,25 @@ class BlobStore(Protocol):
         returns whether a blob went."""
         ...
 
+    async def drop_damaged(self, key: str, identity: FileIdentity | None,
+                           expected: str | None) -> Dropped:
+        """Drop the blob at key, whose bytes were read and found damaged, if it is still
+        the one with identity (None: whatever is there). A store that keeps local copies of
+        shared blobs drops this replica's copies, and deletes the shared blob only once its
+        own bytes, read again, do not have the sha256 expected (None: the one its record
+        vouches for). Says what went."""
+        ...
+
+    async def open_shared(self, key: str) -> OpenBlob | None:
+        """The blob as the store that every replica shares holds it, never a local copy of
+        it (a check of the shared bytes themselves); None if there is none."""
+        ...
+
+    def watch_damage(self, listener: DamageListener) -> None:
+        """listener is told of damage this store finds and mends by itself (a local copy
+        dropped and fetched again)."""
+        ...
+
     async def list(self, prefix: str) -> list[BlobInfo]:
         """Every blob whose key starts with prefix, in key order."""
         ...
@@ -160,7 +182,12 @@ class BlobStore(Protocol):
         ...
 
     def health_problem(self) -> str | None:
-        """Why the store cannot take writes now (blocking), or None."""
+        """Why this replica cannot take writes now (blocking), or None: it is not ready."""
+        ...
+
+    def store_problem(self) -> str | None:
+        """Why a store that every replica shares cannot be reached now, or None. Not a
+        reason to be unready: what this replica holds is still served (degraded)."""
         ...
 
     async def direct_url(self, key: str) -> str | None:

@@ -1,7 +1,8 @@
 """The S3 backend's index: each document a small JSON object under `<prefix>index/KEY`
 (bytes as base64), created-if-absent with a conditional PutObject (If-None-Match: *; 412 and
 409 both mean it exists). A local copy of every document this process read or wrote answers
-reads while the bucket is unreachable, so hits keep being served; writes still fail then.
+reads while the bucket is unreachable, so hits keep being served; writes still fail then. A
+document the bucket says is gone is forgotten there too.
 Compare-and-set (fill leases) uses the objects' ETags: PutObject and DeleteObject If-Match."""
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class S3Index:
                 raise
             return kept
         value = None if body is None else decode(body)
-        if value is not None and await self._local.get(key) != value:
+        if value is None:  # gone from the bucket (dropped, pruned): gone here too
+            if await self._local.get(key) is not None:
+                with contextlib.suppress(OSError, sqlite3.Error, InsufficientStorage):
+                    await self._local.delete(key)
+        elif await self._local.get(key) != value:
             await self._keep(key, value)
         return value
 
@@ -88,12 +93,13 @@ class S3Index:
     # answered from the local copy: a lease read from it could be long gone.
 
     async def get_versioned(self, key: str) -> tuple[dict[str, Any], str] | None:
-        """The document at key and its ETag, or None (an unreadable one is absent)."""
+        """The document at key and its ETag, or None. One that is not a JSON object (empty,
+        cut short, written by something else) is an empty document with its ETag: a lease
+        nobody can read is taken over like an expired one, never waited for forever."""
         found = await self._objects.get_tagged(AREA + key)
         if found is None:
             return None
-        value = decode(found[0])
-        return None if value is None else (value, found[1])
+        return decode(found[0]) or {}, found[1]
 
     async def replace(self, key: str, value: dict[str, Any],
                       expected_version: str) -> str | None:

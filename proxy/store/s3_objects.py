@@ -1,20 +1,25 @@
 """The object store as the S3 backend uses it: a bucket and a key prefix reached with
 aiobotocore, each request timed and counted (tfproxy_store_operations_total), and every way
 the store can be unreachable told as one error (StoreUnavailable: a 503, never a 500).
-Uploads carry their SHA-256, so the store checks the bytes it got; full downloads are checked
-against the SHA-256 the store holds."""
+Uploads carry the SHA-256 of each part, so the store checks the bytes it got. A full download
+returns the sha256 of the bytes it wrote, for the caller to compare with what vouches for the
+blob: the store's own checksum cannot be relied on for that (a client checks it only for an
+object stored in one piece with a full-object checksum, not for multipart objects nor for
+stores that send none)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import aiofiles
 from aiobotocore.config import AioConfig
@@ -23,7 +28,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from proxy.config.settings import S3Config
 from proxy.core.errors import Unavailable
-from proxy.core.executors import slow
+from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -42,6 +47,9 @@ _CHUNK = 256 << 10
 # How long after a failure to reach the store requests fail at once, instead of each waiting
 # for its own connection attempt; a probe ends it sooner.
 _DOWN_FOR = 5.0
+# A probe that takes longer than this marks the store unreachable (a black-holed endpoint
+# must show within seconds, not after the client's own connect retries).
+_PROBE_WITHIN = 4.0
 _ABSENT = ("404", "NoSuchKey", "NotFound")
 _CONFLICT = ("412", "409", "PreconditionFailed", "ConditionalRequestConflict")
 
@@ -52,6 +60,14 @@ class StoreUnavailable(Unavailable):
 
 class Conflict(Exception):
     """A conditional request found the object in another state (412 or 409)."""
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """An object just written: its ETag, and the sha256 of the bytes sent."""
+
+    etag: str
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,7 @@ class ObjectStore:
         self._metrics = metrics
         self._down_since: float | None = None
         self._down_reason = ""
+        self._up = metrics.store_up.labels(BACKEND)
 
     @classmethod
     async def connect(cls, config: S3Config, metrics: Metrics,
@@ -97,9 +114,13 @@ class ObjectStore:
             return None
         return f"the object store (bucket {self.bucket}) is unreachable: {self._down_reason}"
 
-    async def probe(self) -> None:
-        """One HeadBucket: marks the store reachable again (or not)."""
-        await self._probe_call(self._client.head_bucket, Bucket=self.bucket)
+    async def probe(self, within: float = _PROBE_WITHIN) -> None:
+        """One HeadBucket, given `within` seconds: marks the store reachable (or not)."""
+        try:
+            async with asyncio.timeout(within):
+                await self._probe_call(self._client.head_bucket, Bucket=self.bucket)
+        except TimeoutError as exc:
+            raise self._unreachable("head_bucket", exc) from None
 
     # --- objects ---------------------------------------------------------------------------
 
@@ -113,25 +134,28 @@ class ObjectStore:
         return ObjectInfo(key, found["ContentLength"], found["ETag"],
                           int(found["LastModified"].timestamp()))
 
-    async def upload(self, key: str, path: Path) -> str:
+    async def upload(self, key: str, path: Path) -> Uploaded:
         """The file at path as the object at key (one PutObject, or a multipart upload for a
-        large one), each part with its SHA-256 for the store to check; returns its ETag."""
+        large one), each part with its SHA-256 for the store to check on arrival; returns its
+        ETag and the sha256 of the whole file, computed from the bytes that were sent."""
         size = (await slow(path.stat)).st_size
         if size <= SINGLE_PUT_LIMIT:
             body = await slow(path.read_bytes)
-            return await self.put_bytes(key, body)
+            digest = await slow(_sha256_hex, body)
+            return Uploaded(await self.put_bytes(key, body), digest)
         return await self._upload_parts(key, path)
 
-    async def _upload_parts(self, key: str, path: Path) -> str:
+    async def _upload_parts(self, key: str, path: Path) -> Uploaded:
         name = self.prefix + key
         started = await self._call("multipart", self._client.create_multipart_upload,
                                    Bucket=self.bucket, Key=name, ChecksumAlgorithm="SHA256")
         upload_id = started["UploadId"]
         parts: list[dict[str, Any]] = []
+        whole = hashlib.sha256()
         try:
             async with aiofiles.open(path, "rb") as handle:
                 while body := await handle.read(PART_SIZE):
-                    number, checksum = len(parts) + 1, await slow(_sha256_b64, body)
+                    number, checksum = len(parts) + 1, await slow(_hashed_part, whole, body)
                     done = await self._call(
                         "part", self._client.upload_part, Bucket=self.bucket, Key=name,
                         UploadId=upload_id, PartNumber=number, Body=body,
@@ -141,7 +165,7 @@ class ObjectStore:
             done = await self._call("multipart", self._client.complete_multipart_upload,
                                     Bucket=self.bucket, Key=name, UploadId=upload_id,
                                     MultipartUpload={"Parts": parts})
-            return str(done["ETag"])
+            return Uploaded(str(done["ETag"]), whole.hexdigest())
         except BaseException:
             await self._abort_quietly(name, upload_id)
             raise
@@ -154,15 +178,20 @@ class ObjectStore:
             log.warning("could not abort the upload of %s (the bucket's lifecycle rule for "
                         "incomplete uploads removes it): %s", name, exc)
 
-    async def download(self, info: ObjectInfo, path: Path) -> None:
-        """The whole object, exactly as described (If-Match), into the file at path; its
-        bytes checked against the SHA-256 the store holds. Conflict if it was replaced;
-        LookupError if it is gone."""
+    async def download(self, info: ObjectInfo, path: Path) -> str:
+        """The whole object, exactly as described (If-Match), into the file at path, flushed
+        to the disk (fsync) before this returns; returns the sha256 of the bytes written.
+        Conflict if it was replaced; LookupError if it is gone. (The store's own checksum is
+        asked for too, but a client checks it only for objects stored in one piece with a
+        full-object checksum: the sha256 returned is what the caller must compare.)"""
+        digest = hashlib.sha256()
         async with self._get(info.key, "download", IfMatch=info.etag,
                              ChecksumMode="ENABLED") as body:
-            async with aiofiles.open(path, "wb") as handle:
+            with open(path, "wb") as handle:  # noqa: ASYNC230 - written on the quick pool
                 async for chunk in body:
-                    await handle.write(chunk)
+                    await quick(_write_hashed, handle, digest, chunk)
+                await slow(_flushed, handle)
+        return digest.hexdigest()
 
     async def read_range(self, info: ObjectInfo, start: int, end: int
                          ) -> AsyncGenerator[bytes, None]:
@@ -293,6 +322,7 @@ class ObjectStore:
         if self._down_since is not None:
             log.info("the object store (bucket %s) answers again", self.bucket)
             self._down_since = None
+        self._up.set(1)
         return answer
 
     def _unreachable(self, operation: str, exc: BaseException) -> StoreUnavailable:
@@ -300,6 +330,7 @@ class ObjectStore:
         if self._down_since is None:
             log.warning("the object store (bucket %s) is unreachable: %s", self.bucket, reason)
         self._down_since, self._down_reason = time.monotonic(), reason
+        self._up.set(0)
         return StoreUnavailable(f"the object store is unreachable ({reason}); try again")
 
     def _count(self, operation: str, outcome: str, started: float | None = None) -> None:
@@ -317,4 +348,24 @@ class ObjectStore:
 
 def _sha256_b64(body: bytes) -> str:
     return base64.b64encode(hashlib.sha256(body).digest()).decode()
+
+
+def _sha256_hex(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def _hashed_part(whole: hashlib._Hash, body: bytes) -> str:
+    """The part's own SHA-256 (base64, for the store), its bytes added to the whole's."""
+    whole.update(body)
+    return _sha256_b64(body)
+
+
+def _write_hashed(handle: BinaryIO, digest: hashlib._Hash, chunk: bytes) -> None:
+    handle.write(chunk)
+    digest.update(chunk)
+
+
+def _flushed(handle: BinaryIO) -> None:
+    handle.flush()
+    os.fsync(handle.fileno())
 

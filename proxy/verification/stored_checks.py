@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from proxy.store import layout
 from proxy.store.contents import HeldBlob
+from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.protocol import MetadataIndex, Storage
-from proxy.verification.stored_drops import drop_damaged, forget_package_file
-from proxy.verification.stored_hashes import DamagedFile, h1_of_stored, verify_stored
+from proxy.verification.stored_drops import drop_damaged, forget_package_file, what_went
+from proxy.verification.stored_hashes import h1_of_stored, verify_stored
 
 
 @dataclass
@@ -34,15 +35,16 @@ class VerifyReport:
 # one why.
 Outcome = Callable[[HeldBlob, str, str], None]
 # Told each damaged blob this verify dropped (or, dry_run, would drop): the blob, the damage,
-# the sha256 its record vouches for.
-Damaged = Callable[[HeldBlob, DamagedFile, str], None]
+# the sha256 its record vouches for, and what went (NOTHING on a dry run).
+Damaged = Callable[[HeldBlob, DamagedFile, str, Dropped], None]
 
 
 async def verify_held(storage: Storage, held: list[HeldBlob], dry_run: bool = False,
-                      outcome: Outcome | None = None,
-                      damaged: Damaged | None = None) -> VerifyReport:
+                      outcome: Outcome | None = None, damaged: Damaged | None = None,
+                      shared: bool = False) -> VerifyReport:
     """Check every blob in held (see the module's docstring); dry_run: report bad ones,
-    drop nothing."""
+    drop nothing. shared: read the blobs the shared store holds (S3: the bucket's objects),
+    not this replica's local copies of them."""
     report = VerifyReport()
     tell = outcome or (lambda _blob, _what, _why: None)
     for blob in held:
@@ -54,15 +56,19 @@ async def verify_held(storage: Storage, held: list[HeldBlob], dry_run: bool = Fa
             continue
         h1 = record.get("h1") if blob.kind == "provider" and record is not None else None
         try:
-            found = await _check(storage, blob, sha256, h1 if isinstance(h1, str) else None)
+            found = await _check(storage, blob, sha256, h1 if isinstance(h1, str) else None,
+                                 shared)
         except DamagedFile as damage:
-            report.bad.append(f"{blob.key}: the stored file {damage.message}")
-            tell(blob, "bad", damage.message)
-            dropped = not dry_run and await _drop(storage, blob, damage)
-            report.dropped += dropped
+            dropped = Dropped.NOTHING if dry_run else await _drop(storage, blob, damage)
+            # Which copy held the damage is known once the drop told them apart.
+            where = "the stored file" if dry_run else dropped.where()
+            fate = "" if dry_run or dropped is Dropped.NOTHING else f"; {what_went(dropped)}"
+            report.bad.append(f"{blob.key}: {where} {damage.message}{fate}")
+            tell(blob, "bad", f"{where} {damage.message}{fate}")
+            report.dropped += dropped is not Dropped.NOTHING
             # Gone or replaced meanwhile: whoever dropped it first reported it.
-            if damaged is not None and (dry_run or dropped):
-                damaged(blob, damage, sha256)
+            if damaged is not None and (dry_run or dropped is not Dropped.NOTHING):
+                damaged(blob, damage, sha256, dropped)
             continue
         if not found:
             report.gone += 1
@@ -81,13 +87,15 @@ def _recorded_sha256(blob: HeldBlob, record: dict[str, object] | None) -> str | 
     return sha256 if isinstance(sha256, str) and sha256 else None
 
 
-async def _check(storage: Storage, blob: HeldBlob, sha256: str, h1: str | None) -> bool:
+async def _check(storage: Storage, blob: HeldBlob, sha256: str, h1: str | None,
+                 shared: bool) -> bool:
     """Whether the blob is there and good; raises DamagedFile."""
     if h1 is None:
-        return await verify_stored(storage.blobs, blob.key, sha256, use=False) is not None
+        return await verify_stored(storage.blobs, blob.key, sha256, use=False,
+                                   shared=shared) is not None
     before = await storage.blobs.stat(blob.key)
     # One read: the bytes are checked against sha256 first, then unzipped for the h1.
-    computed = await h1_of_stored(storage.blobs, blob.key, sha256, use=False)
+    computed = await h1_of_stored(storage.blobs, blob.key, sha256, use=False, shared=shared)
     now = await storage.blobs.stat(blob.key)
     if now is None or before is None or now.identity != before.identity:
         return False  # gone, or replaced by a fill meanwhile: not the file judged
@@ -97,8 +105,8 @@ async def _check(storage: Storage, blob: HeldBlob, sha256: str, h1: str | None) 
     return True
 
 
-async def _drop(storage: Storage, blob: HeldBlob, damage: DamagedFile) -> bool:
-    """Drop it under its fill lock, as the server would; whether this call deleted it."""
+async def _drop(storage: Storage, blob: HeldBlob, damage: DamagedFile) -> Dropped:
+    """Drop it under its fill lock, as the server would; what this call dropped."""
     unvouch: Callable[[], Awaitable[None]]
     if blob.kind == "provider":
         package = layout.parse_provider_archive(blob.key)

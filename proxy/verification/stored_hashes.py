@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from proxy.core.errors import IntegrityError
 from proxy.core.executors import background_then_close, slow_then_close
 from proxy.core.singleflight import SingleFlight
+from proxy.store.damage import DamagedFile
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
 from proxy.verification.hashes import h1_of_zip, sha256_of_file
@@ -27,25 +27,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class DamagedFile(IntegrityError):
-    """A stored file whose bytes are not the signed package, or cannot be read: it must be
-    dropped and fetched again."""
-
-    def __init__(self, message: str, identity: FileIdentity | None,
-                 sha256: str | None = None) -> None:
-        super().__init__("stored", message)
-        self.identity = identity  # of the file that was read, if known
-        self.sha256 = sha256  # of the bytes read, when they were read whole
-
-
-async def h1_of_stored(store: BlobStore, key: str, sha256: str, use: bool = True) -> str | None:
+async def h1_of_stored(store: BlobStore, key: str, sha256: str, use: bool = True,
+                       shared: bool = False) -> str | None:
     """The h1 of a stored package, computed only from bytes whose sha256 is the signed one
     (a full read, off the loop; a use of the blob unless use is False). None when the blob
     is gone, or when it is the signed package but not a zip that can be hashed (fetching it
     again would not change that). Raises DamagedFile when the stored bytes are not the
     signed ones or cannot be read."""
     return await _with_open(store, key, lambda blob: _checked_read(blob, sha256, _h1_of_checked),
-                            use=use)
+                            use=use, shared=shared)
 
 
 async def h1_of_written(store: BlobStore, key: str, sha256: str,
@@ -60,14 +50,14 @@ async def h1_of_written(store: BlobStore, key: str, sha256: str,
 
 
 async def verify_stored(store: BlobStore, key: str, sha256: str,
-                        use: bool = True) -> FileIdentity | None:
+                        use: bool = True, shared: bool = False) -> FileIdentity | None:
     """The identity of a stored blob whose bytes have the sha256 it was stored with (a full
     read, off the loop; a use of the blob unless use is False); None when the blob is gone.
     Raises DamagedFile when the bytes differ, cannot be read, or change while they are
     read."""
     return await _with_open(store, key,
                             lambda blob: _checked_read(blob, sha256, _unchanged_identity),
-                            use=use)
+                            use=use, shared=shared)
 
 
 async def adopt_stored(store: BlobStore, key: str, intact: Callable[[BinaryIO], None]
@@ -189,12 +179,12 @@ class CheckedFiles:
 
 async def _with_open(store: BlobStore, key: str, read: Callable[[OpenBlob], T],
                      run: Callable[[OpenBlob, Callable[[OpenBlob], T], OpenBlob], Awaitable[T]]
-                     = slow_then_close, use: bool = True) -> T | None:
+                     = slow_then_close, use: bool = True, shared: bool = False) -> T | None:
     """read(the open blob) on the slow pool (or as `run` says), the blob closed once read is
     done with it (not before, even if the caller is cancelled meanwhile); None when the blob
-    is gone."""
+    is gone. shared: the blob as the shared store holds it, not a local copy (no use)."""
     try:
-        blob = await store.open(key, use)
+        blob = await (store.open_shared(key) if shared else store.open(key, use))
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -223,7 +213,7 @@ def _checked_read(blob: OpenBlob, sha256: str,
     def checked(blob: OpenBlob, handle: BinaryIO, before: FileIdentity, actual: str) -> T:
         if actual != sha256.lower():
             raise DamagedFile(f"has sha256 {actual}, not the checksum {sha256} it was "
-                              "stored with", before, actual)
+                              "stored with", before, actual, sha256.lower())
         return then(blob, handle, before)
     return _hashed_read(blob, checked)
 

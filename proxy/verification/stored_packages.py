@@ -13,15 +13,15 @@ from proxy.config import UpstreamConfig
 from proxy.core.errors import Offline
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
+from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import FileIdentity
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import StoredArchive
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import VerifiedPackage, VerifiedPackages
-from proxy.verification.stored_drops import drop_damaged
+from proxy.verification.stored_drops import drop_damaged, integrity_kind, what_went
 from proxy.verification.stored_hashes import (
     CheckedFiles,
-    DamagedFile,
     Vouch,
     h1_of_stored,
     h1_of_written,
@@ -203,31 +203,35 @@ class StoredPackages:
 
     async def _drop_damaged(self, provider: ProviderAddress, version: str, platform: Platform,
                             key: str, damage: DamagedFile, holding_lock: bool = False) -> None:
-        """Drop a damaged stored zip under the package's fill lock; offline, that leaves
-        nothing to serve (Offline)."""
+        """Drop a damaged stored zip under the package's fill lock; offline, when that left
+        nothing to serve, Offline."""
         if holding_lock:
-            await self._drop_locked(provider, version, platform, key, damage)
+            dropped = await self._drop_locked(provider, version, platform, key, damage)
         else:
             async with self.fill_lock(provider, version, platform):
-                await self._drop_locked(provider, version, platform, key, damage)
-        if self._offline:
+                dropped = await self._drop_locked(provider, version, platform, key, damage)
+        if self._offline and dropped is not Dropped.LOCAL_COPY:
             raise Offline(f"the stored package {provider} {version} {platform.key} was "
                           "damaged, and the proxy is offline")
 
     async def _drop_locked(self, provider: ProviderAddress, version: str, platform: Platform,
-                           key: str, damage: DamagedFile) -> None:
+                           key: str, damage: DamagedFile) -> Dropped:
         """Delete a damaged stored zip and the facts recorded about the file (size, h1; the
         signed facts stay), then count and log it: once, by whoever deletes it."""
         self._checked.forget(key)
-        what = f"{provider} {version} {platform.key}: the stored file {damage.message}"
-        if not await drop_damaged(self._archives, key, damage,
-                                  lambda: self._forget_file(provider, version, platform)):
+        what = f"{provider} {version} {platform.key}"
+        dropped = await drop_damaged(self._archives, key, damage,
+                                     lambda: self._forget_file(provider, version, platform))
+        if dropped is Dropped.NOTHING:
             # Gone, or replaced since it was read (by whoever dropped it first, then a fill):
             # counted by whoever dropped it; the facts are not about this file.
-            log.info("%s; already dropped or replaced", what)
-            return
-        self._packages.integrity(damage.kind, f"{what}; dropped, to be fetched again",
-                                 f"{provider} {version} {platform.key}")
+            log.info("%s: the stored file %s; already dropped or replaced", what,
+                     damage.message)
+            return dropped
+        self._packages.integrity(
+            integrity_kind(dropped, damage),
+            f"{what}: {dropped.where()} {damage.message}; {what_went(dropped)}", what)
+        return dropped
 
     async def _forget_file(self, provider: ProviderAddress, version: str,
                            platform: Platform) -> None:

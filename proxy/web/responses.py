@@ -24,6 +24,7 @@ from proxy.core.file_reads import ChunkReader
 from proxy.core.json_bodies import JsonBody
 from proxy.core.redaction import mask_secrets
 from proxy.core.spool import GrowingFile
+from proxy.store.damage import DamagedFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
 from proxy.web.access_log import ABORTED_KEY, CACHE_RESULT_KEY
 
@@ -106,7 +107,15 @@ async def send_file(request: web.Request,
         elif request.method == "GET" and (url := await store.direct_url(source.key)):
             # The operator asked for it: the client fetches the stored object itself.
             return web.Response(status=302, headers={"Location": url})
-        blob = await store.open(source.key)
+        try:
+            blob = await store.open(source.key)
+        except DamagedFile as damage:
+            # The bytes failed their check as they were fetched (an object in a shared store
+            # that is not what its record vouches for): the store now says it changed, so
+            # the lookup checks it again, drops it and fetches it anew.
+            log.warning("%s: %s; looking it up again", source.key.rpartition("/")[2],
+                        damage.message)
+            continue
         if blob is None:
             log.info("%s left the cache before it could be sent; looking it up again",
                      source.key.rpartition("/")[2])

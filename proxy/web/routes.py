@@ -63,14 +63,20 @@ async def healthz(_request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the configuration is loaded and the cache directory takes writes (and,
-    after its disk filled up, has room again for what did not fit)."""
+    """Readiness: the configuration is loaded and this replica's cache directory takes writes
+    (and, after its disk filled up, has room again for what did not fit). A shared store
+    (S3) that cannot be reached leaves it ready, degraded: what this replica holds is still
+    served, and a dependency every replica shares must not take them all out of service at
+    once (misses then get a 503 naming the store)."""
     if ARCHIVES_KEY not in request.app:
         return json_response({"errors": ["still starting"]}, status=503)
     archives = request.app[ARCHIVES_KEY]
     problem = await quick(archives.health_problem)
     if problem:
         return json_response({"errors": [problem]}, status=503)
+    store = archives.store_problem()
+    if store:
+        return json_response({"status": "degraded", "store": "unreachable", "problem": store})
     return json_response({"status": "ready"})
 
 

@@ -85,7 +85,12 @@ def _cards(cache: dict[str, Any], lookups: dict[str, Any], fills: int) -> str:
         f"{_size(cache['bytes'])} (no limit)"
     percent = min(100.0, 100 * float(cache["used_fraction"] or 0))
     rate = lookups["hit_rate"]
+    store = cache.get("store") or {}
+    outage = "" if store.get("reachable", True) else "".join((
+        '<p class="bad" id="store-down">The object store is unreachable: hot copies are '
+        "served, misses are refused (503). ", _e(store.get("problem")), "</p>"))
     return "".join((
+        outage,
         '<div class="cards">',
         '<div class="card" id="cache">Cache (', _e(cache["backend"]), ")<b>", _e(used),
         "</b>", _e(cache["files"]), " file" if cache["files"] == 1 else " files",
