@@ -4,12 +4,16 @@ against each of them. A new backend is done when it passes here."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from proxy.store.protocol import BlobStore
+from proxy.store.damage import DamagedFile
+from proxy.store.file_identity import FileIdentity
+from proxy.store.protocol import BlobInfo, BlobStore
+from proxy.verification.stored_hashes import CheckedFiles, Vouch
 from tests.support.seaweedfs import S3Server
 from tests.support.stores import BACKENDS, OpenedStore, open_store
 
@@ -55,6 +59,49 @@ async def content(blobs: BlobStore, key: str, start: int = 0, end: int | None = 
 
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
+
+
+# --- damage to the local copy a hit is served from ------------------------------------------
+
+async def served_as_checked(store: OpenedStore, key: str, sha256: str, stored_as: FileIdentity
+                            ) -> bytes | None:
+    """What a hit serves, checked as the services check a hit (proxy.verification.
+    stored_hashes.CheckedFiles against a record that vouches for sha256 and stored_as), the
+    damage dropped as they drop it; None: nothing left to serve (fetched again upstream)."""
+    async def record(_found: BlobInfo) -> Vouch:
+        return Vouch(sha256, stored_as)
+
+    async def noted(_sha256: str, _identity: FileIdentity) -> None:
+        return None
+
+    async def damaged(damage: DamagedFile) -> None:
+        await store.blobs.drop_damaged(key, damage.identity, damage.expected)
+
+    found = await CheckedFiles(store.blobs).vouched(key, record=record, checked=noted,
+                                                    damaged=damaged)
+    return None if found is None else await content(store.blobs, key)
+
+
+DAMAGE = {"in place": lambda data: bytes(len(data)), "truncated": lambda data: data[:100],
+          "emptied": lambda _data: b""}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+async def test_a_local_copy_damaged_in_place_truncated_or_emptied_is_never_served(
+        store: OpenedStore, how: str) -> None:
+    info = await store.blobs.put(KEY, pieces(DATA))
+    sha256 = hashlib.sha256(DATA).hexdigest()
+    await store.index.set("package/registry.example/acme/thing/1.0.0/linux_amd64",
+                          {"shasum": sha256})  # the record that vouches for it
+    assert await served_as_checked(store, KEY, sha256, info.identity) == DATA
+    local = store.local_file(KEY)
+    if local is None:
+        pytest.skip("this backend keeps no local file")  # memory: bytes in a dict
+    await asyncio.sleep(0.02)  # a write in the same clock tick would keep the mtime
+    local.write_bytes(DAMAGE[how](DATA))
+    for _ in range(2):  # and again, from what the first look left
+        served = await served_as_checked(store, KEY, sha256, info.identity)
+        assert served in (DATA, None), "damaged bytes served"
 
 
 # --- publishing ----------------------------------------------------------------------------

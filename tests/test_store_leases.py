@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -18,7 +19,11 @@ from proxy.core.errors import Unavailable
 from proxy.store.index import MetadataCache
 from proxy.store.leases import FillLeases, IndexLease, LeaseTimings, lease_key
 from proxy.store.protocol import BlobStore
+from proxy.store.s3 import S3BlobStore
+from proxy.store.s3_index import AREA
+from proxy.store.s3_objects import ObjectStore
 from tests.support.controlled_index import ControlledIndex
+from tests.support.seaweedfs import S3Server
 from tests.support.stores import BACKENDS, OpenedStore, open_store
 
 NAME = "registry.example/acme/thing/1.0.0/linux_amd64"
@@ -247,3 +252,69 @@ def test_racing_replaces_in_separate_processes_of_one_directory_have_one_winner(
     for thread in threads:
         thread.join(30)
     assert len(won) == 8 and sum(new is not None for new in won) == 1
+
+
+async def test_a_waiter_on_another_replica_is_served_within_a_quarter_second_of_the_publish(
+        store: OpenedStore) -> None:
+    # Default timings: the poll interval is capped, however long the waiter has waited.
+    published: list[float] = []
+
+    async def ready() -> bool:
+        return bool(published)
+
+    async def wait(blobs: BlobStore) -> float:
+        async with blobs.fill_lock(NAME, "package", ready) as held:
+            assert not held
+            return time.monotonic()
+
+    async with replicas(store, 2) as (first, second):
+        async with first.blobs.fill_lock(NAME, "package") as held:
+            assert held
+            waiter = asyncio.ensure_future(wait(second.blobs))
+            await asyncio.sleep(2)  # long enough for any backoff to reach its cap
+            published.append(time.monotonic())
+            served = await asyncio.wait_for(waiter, 5)
+    assert served - published[0] < 0.25 + 0.1  # the cap, plus a poll's own requests
+
+
+async def test_a_lease_nobody_can_read_is_taken_over_after_its_duration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        s3_server: S3Server) -> None:
+    # Written by something else, or cut short: no owner, no expiry to read.
+    for body in (b"", b'{"owner": "gone", "expi', b"[1, 2, 3]"):
+        async with open_store("s3", tmp_path / uuid.uuid4().hex, monkeypatch,
+                              s3=s3_server) as opened:
+            assert isinstance(opened.blobs, S3BlobStore)
+            objects = opened.blobs.objects
+            await objects.put_bytes(AREA + lease_key(NAME), body)
+            before = _requests(objects)
+            outcomes: Counter[str] = Counter()
+            started = time.monotonic()
+            lease = FillLeases(opened.index, LeaseTimings(seconds=1.0),
+                               counting(outcomes)).lock(NAME, "package")
+            assert await asyncio.wait_for(lease.__aenter__(), 10)
+            waited = time.monotonic() - started
+            await lease.__aexit__(None, None, None)
+            assert outcomes == {"taken_over": 1}, body
+            assert 0.9 <= waited < 1.0 + 0.25 + 0.5, (body, waited)
+            assert (_requests(objects) - before) / waited < 20, body  # polls back off
+
+
+async def test_a_waiter_gives_up_with_503_when_a_holder_renews_forever(
+        store: OpenedStore) -> None:
+    bounded = LeaseTimings(seconds=0.6, first_poll=0.01, max_poll=0.05, max_wait=1.0)
+    async with replicas(store, 2) as (first, second):
+        async with FillLeases(first.index, bounded).lock(NAME, "package") as held:
+            assert held
+            started = time.monotonic()
+            with pytest.raises(Unavailable) as refused:
+                async with FillLeases(second.index, bounded).lock(NAME, "package"):
+                    raise AssertionError("entered a lease that is held and renewed")
+            assert 1.0 <= time.monotonic() - started < 3.0
+    assert refused.value.status == 503
+    assert "waited 1 s for another replica's fill" in refused.value.message
+
+
+def _requests(objects: ObjectStore) -> float:
+    return sum(sample.value for metric in objects._metrics.store_operations.collect()
+               for sample in metric.samples if sample.name.endswith("_total"))

@@ -21,7 +21,7 @@ from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
 from proxy.core.activity import Activity
 from proxy.core.audit import NO_AUDIT, SERVED_FACTS, Artifact, AuditLog
-from proxy.core.errors import Offline, ProxyError, UnknownVersion
+from proxy.core.errors import IntegrityError, Offline, ProxyError, UnknownVersion
 from proxy.core.executors import quick, slow
 from proxy.core.json_bodies import JsonBody
 from proxy.core.metrics import Metrics
@@ -204,8 +204,9 @@ class ModuleRegistry:
         async with self._archives.fill_lock(_fill_key(module, version), "module"):
             dropped = await self._drop_locked(module, version, key, damage)
         if self._offline and dropped is not Dropped.LOCAL_COPY:
-            raise Offline(f"the stored archive of module {module} {version} was damaged, "
-                          "and the proxy is offline")
+            raise IntegrityError("stored", f"the stored archive of module {module} {version} "
+                                 "was damaged and dropped; the proxy is offline, so it cannot "
+                                 "be fetched again")
 
     async def _drop_locked(self, module: ModuleAddress, version: str, key: str,
                            damage: DamagedFile) -> Dropped:

@@ -46,7 +46,7 @@ _TOUCH_INTERVAL = 60.0
 # A waiter for a fill lock retries the flock this often; asks whether the artifact is ready
 # first as often, then backing off to this.
 _LOCK_POLL = 0.05
-_MAX_READY_CHECK = 1.0
+_MAX_READY_CHECK = 0.25  # a waiter in another process is served within this of a publish
 # Eviction frees down to this share of the limit, so it does not run on every fill.
 _LOW_WATER = 0.9
 # Fill locks: a fixed set of lock files, chosen by a hash of the artifact, so that they never

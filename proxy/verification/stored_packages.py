@@ -10,7 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 
 from proxy.config import UpstreamConfig
-from proxy.core.errors import Offline
+from proxy.core.errors import IntegrityError, Offline
 from proxy.core.models import Platform, ProviderAddress
 from proxy.store import layout
 from proxy.store.damage import DamagedFile, Dropped
@@ -211,8 +211,9 @@ class StoredPackages:
             async with self.fill_lock(provider, version, platform):
                 dropped = await self._drop_locked(provider, version, platform, key, damage)
         if self._offline and dropped is not Dropped.LOCAL_COPY:
-            raise Offline(f"the stored package {provider} {version} {platform.key} was "
-                          "damaged, and the proxy is offline")
+            raise IntegrityError("stored", f"the stored package {provider} {version} "
+                                 f"{platform.key} was damaged and dropped; the proxy is "
+                                 "offline, so it cannot be fetched again")
 
     async def _drop_locked(self, provider: ProviderAddress, version: str, platform: Platform,
                            key: str, damage: DamagedFile) -> Dropped:

@@ -38,6 +38,9 @@ class OpenedStore:
     leftovers: Callable[[], list[Path]]
     settle: Callable[[], Awaitable[None]]
     replica: Callable[[], AbstractAsyncContextManager[OpenedStore]]
+    # The local file a hit on a key is served from (disk: the blob's file; s3: its hot
+    # copy), or None where there is none (memory).
+    local_file: Callable[[str], Path | None] = lambda _key: None
 
 
 async def _nothing_pending() -> None:
@@ -92,7 +95,7 @@ async def _open_disk(root: Path, max_size: int | None) -> AsyncIterator[OpenedSt
         yield OpenedStore(disk, index, lambda: [
             path for path in _files(disk.files.tmp_root)
             if not path.name.endswith(".lock")], _quick_pool_drained,
-            lambda: _open_disk(root, max_size))
+            lambda: _open_disk(root, max_size), disk.path_of)
     finally:
         index.close()
         disk.close()
@@ -135,7 +138,15 @@ async def open_s3_store(server: S3Server, bucket: str, cache_dir: Path,
             if not path.name.endswith(".lock")], _quick_pool_drained,
             # Another replica: the same bucket, hot copies of its own.
             lambda: open_s3_store(server, bucket, cache_dir.with_name(
-                f"{cache_dir.name}-{uuid.uuid4().hex[:8]}"), monkeypatch, max_size))
+                f"{cache_dir.name}-{uuid.uuid4().hex[:8]}"), monkeypatch, max_size),
+            lambda key: hot_copy(blobs, key))
+
+
+def hot_copy(blobs: S3BlobStore, key: str) -> Path | None:
+    """The newest local hot copy of the blob at key, if there is one."""
+    copies = sorted(blobs.hot.path_of(key).parent.glob(blobs.hot.path_of(key).name + "~*"),
+                    key=lambda path: path.stat().st_mtime_ns)
+    return copies[-1] if copies else None
 
 
 def _files(directory: Path) -> list[Path]:
