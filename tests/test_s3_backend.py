@@ -67,7 +67,7 @@ async def test_a_second_replica_with_an_empty_cache_dir_serves_a_fill_without_up
     assert list((tmp_path / "second" / "s3" / "archives").rglob("*.zip~*"))  # a hot copy
 
 
-async def test_hits_with_a_hot_copy_keep_serving_while_the_bucket_is_down_misses_get_503_ready_stays(
+async def test_hot_copies_serve_while_the_bucket_is_down_misses_get_503_and_ready_stays(
         aiohttp_client, proxy_config: Config, registry: FakeRegistry,  # type: ignore[no-untyped-def]
         weed: WeedMini, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     server = weed.start()

@@ -140,6 +140,24 @@ async def test_index_documents_are_json_objects_that_every_replica_reads(
                                                "sums/registry.example/acme/thing/1.0.0/abc"]
 
 
+async def test_a_record_the_bucket_says_is_gone_is_not_answered_from_the_local_copy(
+        s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket, key = s3_server.new_bucket(), "package/registry.example/acme/thing/1.0.0/linux_amd64"
+    async with open_s3_store(s3_server, bucket, tmp_path / "a", monkeypatch) as first, \
+            open_s3_store(s3_server, bucket, tmp_path / "b", monkeypatch) as second:
+        await first.index.set(key, {"shasum": "ab" * 32})
+        assert await second.index.get(key) == {"shasum": "ab" * 32}  # kept locally too
+        down = hot(second.blobs).objects
+        down._unreachable("get", OSError("down"))  # an outage: the local copy answers
+        assert await second.index.get(key) == {"shasum": "ab" * 32}
+        down._down_since = None
+        await first.index.delete(key)  # dropped (or pruned) by another replica
+        assert await second.index.get(key) is None
+        down._unreachable("get", OSError("down"))
+        with pytest.raises(StoreUnavailable):  # not the record the bucket no longer has
+            await second.index.get(key)
+
+
 async def test_store_requests_are_counted_and_timed_by_operation_and_outcome(
         s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     metrics = Metrics()

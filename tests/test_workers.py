@@ -4,6 +4,7 @@ clean shutdown."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import signal
@@ -14,7 +15,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from proxy.cli.workers import RestartBudget
 from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
+from tests.support.metrics import sample
 from tests.support.mirror_paths import archive_path
 from tests.support.proxy_process import ProxyProcess, free_port
 
@@ -49,30 +52,83 @@ def test_workers_share_one_port_and_one_cache(
             time.sleep(0.1)
 
 
-def test_a_dead_worker_stops_the_service(tmp_path: Path, write_config: Callable[..., Path],
-                                         registry: FakeRegistry) -> None:
-    """Not a silent half-capacity service: the parent stops and says so (a supervisor such
-    as systemd or Docker then restarts it)."""
+def _workers_of(parent: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in children
+            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
+def _serving(pids: list[int], client_port: int) -> int:
+    """Which of pids holds the server side of the client's connection from client_port."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].rpartition(":")[2], 16) == client_port:
+            inodes.add(f"socket:[{fields[9]}]")
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) in inodes:
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError("no worker holds the connection")
+
+
+def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    """An OOM kill of one worker: the parent starts another (as gunicorn and nginx do), logs
+    and counts it; the service goes on, and a client of the other worker sees nothing."""
     port = free_port()
     cache = tmp_path / "cache"
     proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
                          tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
     with proxy:
         assert proxy.process is not None
-        children = subprocess.run(["pgrep", "-P", str(proxy.process.pid), "-f", "spawn_main"],
-                                  capture_output=True, text=True).stdout.split()
-        workers = [pid for pid in children
-                   if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
-        killed = int(workers[-1])
+        workers = _workers_of(proxy.process.pid)
+        assert len(workers) == 2
+        client = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=(
+            ssl.create_default_context(cafile=str(proxy.ca_file))))
+        client.request("GET", "/healthz")
+        assert client.getresponse().read() == b'{"status":"ok"}'
+        [killed] = [pid for pid in workers
+                    if pid != _serving(workers, client.sock.getsockname()[1])]
         deadline = time.monotonic() + 15
         while not list((cache / "tmp").glob(f"p{killed}-*")):  # the worker is set up
             assert time.monotonic() < deadline, "the worker made no temp directory"
             time.sleep(0.05)
         os.kill(killed, signal.SIGKILL)
-        assert proxy.process.wait(timeout=20) != 0
-    assert "stopping the others" in proxy.log.read_text()
+        deadline = time.monotonic() + 20
+        while len(set(_workers_of(proxy.process.pid)) - {killed}) < 2:
+            assert proxy.process.poll() is None, "the service stopped"
+            assert time.monotonic() < deadline, "no worker took the killed one's place"
+            client.request("GET", "/healthz")  # the other worker's client: never a failure
+            answer = client.getresponse()
+            assert (answer.status, answer.read()) == (200, b'{"status":"ok"}')
+            time.sleep(0.05)
+        proxy._log_start = 0
+        deadline = time.monotonic() + 20
+        while proxy.log.read_text().count("listening on ") < 3:  # the new one serves
+            assert time.monotonic() < deadline, "the new worker does not listen"
+            time.sleep(0.05)
+        metrics = proxy.get("/metrics").decode()
+        assert sample(metrics, "tfproxy_worker_restarts_total") == 1
+        client.request("GET", "/healthz")
+        assert client.getresponse().read() == b'{"status":"ok"}'
+        client.close()
+    log = proxy.log.read_text()
+    assert "was killed by SIGKILL; starting a new one (1 restarts so far)" in log
+    assert proxy.process.returncode == 0  # it stopped when told to, not before
     # The killed worker could not remove its temp directory: the parent did.
-    assert [p.name for p in (cache / "tmp").iterdir() if p.name != "locks"] == []
+    assert not list((cache / "tmp").glob(f"p{killed}-*"))
+
+
+def test_a_crash_loop_stops_restarting() -> None:
+    budget = RestartBudget(most=5, window=60.0)
+    assert all(budget.allow(float(second)) for second in range(5))
+    assert not budget.allow(10.0)  # a sixth within the minute: a crash loop
+    assert budget.allow(61.0)  # the first one left the window
 
 
 def test_workers_on_a_fresh_state_dir_accept_each_others_signed_urls(

@@ -36,6 +36,7 @@ from proxy.core.releases import product_named
 from proxy.modules.packing import read_packed
 from proxy.protocols.module_registry import recorded_sha256
 from proxy.store import layout
+from proxy.store.damage import DamagedFile
 from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobStore, OpenBlob, Storage
 from proxy.store.s3_objects import Conflict
@@ -149,6 +150,14 @@ async def _export(config: Config, output: Path, requirements: list[Requirement] 
                 from None
 
 
+def _damaged(what: str, where: str) -> BundleError:
+    """Never sign a file damaged or altered since it was stored."""
+    return BundleError(
+        f"{what}: {where} does not match the sha256 it was stored with (damaged or altered "
+        "since); nothing was exported. Delete that file (the proxy fetches it again when next "
+        "asked for it) and export again")
+
+
 def _where(blobs: BlobStore, key: str) -> str:
     """How a message names a stored blob: its path in a cache directory, else its key."""
     return str(blobs.path_of(key)) if isinstance(blobs, DiskBlobStore) else f"{key} (in the bucket)"
@@ -185,7 +194,10 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
             async def add_blob(member: str, key: str, stored_with: str | None,
                                what: str, module: tuple[ModuleAddress, str] | None = None
                                ) -> bool:
-                blob = await storage.blobs.open(key)
+                try:
+                    blob = await storage.blobs.open(key)
+                except DamagedFile:  # the store's own check, as the blob was fetched
+                    raise _damaged(what, _where(storage.blobs, key)) from None
                 if blob is None:
                     return False  # evicted since it was listed
                 entry = await slow_then_close(blob, _add_checked, tar, member, blob,
@@ -292,10 +304,7 @@ def _add_checked(tar: tarfile.TarFile, member: str, blob: OpenBlob, stored_with:
         sha256 = digest.hexdigest()
         # Never sign a file damaged or altered since it was stored.
         if stored_with is not None and sha256 != stored_with.lower():
-            raise BundleError(
-                f"{what}: {where} does not match the sha256 it was stored with (damaged or "
-                "altered on disk); nothing was exported. Delete that file (the proxy fetches "
-                "it again when next asked for it) and export again")
+            raise _damaged(what, where)
         if stored_with is None and module is not None:  # stored before sha256s were recorded
             handle.seek(0)
             _require_intact_module(*module, handle, where)

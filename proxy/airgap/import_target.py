@@ -28,6 +28,7 @@ from proxy.config.settings import Config
 from proxy.core.errors import InsufficientStorage, ProxyError
 from proxy.core.executors import slow, slow_then_close
 from proxy.core.metrics import Metrics
+from proxy.store.damage import DamagedFile
 from proxy.store.disk import DiskBlobStore
 from proxy.store.disk_import import CacheChanges, IndexReader, cache_work, existing_index
 from proxy.store.protocol import BlobInfo, Storage
@@ -191,7 +192,10 @@ class SeamTarget:
         return self._run(self._sha256(key))
 
     async def _sha256(self, key: str) -> str | None:
-        blob = await self._storage.blobs.open(key)
+        try:
+            blob = await self._storage.blobs.open(key)
+        except DamagedFile as damage:  # not what its record vouches for: replaced
+            return damage.sha256 or "damaged"
         if blob is None:
             return None
         return await slow_then_close(blob, _hash_blob_file, blob.file, blob.local_path is None)
@@ -265,8 +269,12 @@ class SeamTarget:
         published.append(await blobs.publish(key, staged))
 
     async def _backup(self, key: str) -> Path | None:
-        """A local copy of the blob at key (None: there is none), to put back on undo."""
-        blob = await self._storage.blobs.open(key)
+        """A local copy of the blob at key (None: there is none, or it is damaged: nothing
+        worth putting back), to put back on undo."""
+        try:
+            blob = await self._storage.blobs.open(key)
+        except DamagedFile:
+            return None
         if blob is None:
             return None
         backup = self._storage.blobs.spool_path()

@@ -3,6 +3,7 @@ cache, supervised by the parent."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -11,6 +12,7 @@ import signal
 import socket
 import tempfile
 import time
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 from proxy.cli.logs import configure_server_logging
@@ -18,6 +20,7 @@ from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.config import Config
 from proxy.core.shared_metrics import (
+    count_restart,
     register_worker,
     remove_shared_metrics,
     start_shared_metrics,
@@ -28,50 +31,63 @@ from proxy.tls.certificates import ensure_certificate, ssl_context
 from proxy.web.shutdown import EXIT_MARGIN, die_with_parent
 
 log = logging.getLogger("proxy")
+# A worker that exits with this refused to start (it said why): replacing it would not help.
+STARTUP_REFUSED = 2
+# More than this many restarts within CRASH_WINDOW seconds stop the service (a crash loop).
+CRASH_LOOP = 5
+CRASH_WINDOW = 60.0
 
 
 def serve_workers(config: Config, generated_ca: Path | None) -> int:
     """Start the workers and wait for them. The parent forwards SIGTERM/SIGINT and waits
     for the workers' graceful stop (killing any still there after the grace period and a
-    margin); when one worker dies, it stops the others and exits with its status. Workers
-    watch the parent and stop when it dies, however it dies."""
+    margin). A worker that dies (an OOM kill, a crash) is replaced, as gunicorn and nginx
+    do, logged and counted (tfproxy_worker_restarts_total); the service stops only on a
+    crash loop (CRASH_LOOP restarts within CRASH_WINDOW seconds), or when a worker refuses
+    to start (exit status 2: its message says why). Workers watch the parent and stop when
+    it dies, however it dies."""
     try:
         metrics_dir = start_shared_metrics()  # before the workers: they inherit it
     except OSError as exc:
         return fail(f"cannot make the workers' metrics directory in {tempfile.gettempdir()} "
                     f"(TMPDIR): {exc.strerror or exc}")
     spawn = multiprocessing.get_context("spawn")
-    workers = [spawn.Process(target=_worker_main, args=(config, generated_ca, index),
-                             name=f"worker-{index}") for index in range(config.server.workers)]
+
+    def worker(index: int) -> SpawnProcess:
+        return spawn.Process(target=_worker_main, args=(config, generated_ca, index),
+                             name=f"worker-{index}")
+
+    workers = [worker(index) for index in range(config.server.workers)]
     deadline: float | None = None
+    restarts = RestartBudget()
 
     def stop(_signum: int = signal.SIGTERM, _frame: object = None) -> None:
         nonlocal deadline
         if deadline is None:
             deadline = time.monotonic() + config.server.shutdown_timeout + EXIT_MARGIN
-        for worker in workers:  # a second signal is forwarded too: the workers cut at once
-            if worker.is_alive():
-                worker.terminate()
+        for running_worker in running:  # a second signal is forwarded too: they cut at once
+            if running_worker.is_alive():
+                running_worker.terminate()
 
     # A signal interrupts the wait below (its handler alone would not: the wait resumes).
     wake_read, wake_write = socket.socketpair()
     wake_write.setblocking(False)
     signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+    running: list[SpawnProcess] = []
     signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
     signal.signal(signal.SIGINT, stop)
     # Workers start with SIGHUP ignored (inherited) until they handle it (reopen the audit
     # log): a SIGHUP forwarded during their start-up must not kill them.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    running = []
-    for worker in workers:
+    for started in workers:
         if deadline is None:  # not if a signal came meanwhile: it could not reach this one
-            worker.start()
-            running.append(worker)
+            started.start()
+            running.append(started)
 
     def forward_hangup(_signum: int, _frame: object) -> None:
-        for worker in running:
-            if worker.pid is not None and worker.is_alive():
-                os.kill(worker.pid, signal.SIGHUP)
+        for running_worker in running:
+            if running_worker.pid is not None and running_worker.is_alive():
+                os.kill(running_worker.pid, signal.SIGHUP)
 
     signal.signal(signal.SIGHUP, forward_hangup)
     log.info("started %d worker processes", len(running))
@@ -82,27 +98,71 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
                                                 timeout)
         if wake_read in ready:
             wake_read.recv(512)
-        for worker in [w for w in running if not w.is_alive()]:
-            running.remove(worker)
-            worker.join()
-            if worker.pid is not None:
-                worker_exited(metrics_dir, workers.index(worker), worker.pid)
-            if deadline is None:
-                log.error("%s exited (%s); stopping the others", worker.name, worker.exitcode)
-                code = worker.exitcode or 1
+        for dead in [w for w in running if not w.is_alive()]:
+            running.remove(dead)
+            dead.join()
+            index = int(dead.name.rpartition("-")[2])
+            if dead.pid is not None:
+                worker_exited(metrics_dir, index, dead.pid)
+                # Its own shutdown removes its temp directories; a killed worker's stay.
+                ArchiveStore.remove_temp_of(config.cache.dir, dead.pid)
+            if deadline is not None:
+                continue  # stopping: they are meant to go
+            how = _how_it_ended(dead.exitcode)
+            if dead.exitcode == STARTUP_REFUSED:
+                log.error("%s %s; stopping the others", dead.name, how)
+                code = STARTUP_REFUSED
                 stop()
+                continue
+            if not restarts.allow(time.monotonic()):
+                log.error("%s %s: more than %d workers died within %.0f s (a crash loop); "
+                          "stopping the service", dead.name, how, CRASH_LOOP, CRASH_WINDOW)
+                code = dead.exitcode if dead.exitcode and dead.exitcode > 0 else 1
+                stop()
+                continue
+            count = count_restart(metrics_dir)
+            log.warning("%s %s; starting a new one (%d restarts so far)", dead.name, how,
+                        count)
+            replacement = worker(index)
+            replacement.start()
+            running.append(replacement)
         if running and deadline is not None and time.monotonic() >= deadline:
-            for worker in running:
-                log.error("%s did not stop within %.0f s; killing it", worker.name,
+            for late in running:
+                log.error("%s did not stop within %.0f s; killing it", late.name,
                           config.server.shutdown_timeout + EXIT_MARGIN)
-                worker.kill()
-                worker.join()
+                late.kill()
+                late.join()
             running, code = [], code or 1
-    for worker in workers:  # its own shutdown removes them; a killed worker's stay
-        if worker.pid is not None:
-            ArchiveStore.remove_temp_of(config.cache.dir, worker.pid)
     remove_shared_metrics(metrics_dir)
     return code if code >= 0 else 1
+
+
+class RestartBudget:
+    """How many workers may be started again: CRASH_LOOP within any CRASH_WINDOW seconds."""
+
+    def __init__(self, most: int = CRASH_LOOP, window: float = CRASH_WINDOW) -> None:
+        self._most = most
+        self._window = window
+        self._times: collections.deque[float] = collections.deque()
+
+    def allow(self, now: float) -> bool:
+        """Whether one more restart at `now` (monotonic seconds) is within the budget."""
+        while self._times and self._times[0] <= now - self._window:
+            self._times.popleft()
+        if len(self._times) >= self._most:
+            return False
+        self._times.append(now)
+        return True
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """A dead worker's end in words: its signal, or its exit status."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited ({exitcode})"
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from proxy import __version__
 from proxy.core.errors import INTEGRITY_KINDS
-from proxy.core.shared_metrics import WorkerProcesses, shared_directory
+from proxy.core.shared_metrics import WorkerProcesses, WorkerRestarts, shared_directory
 
 __all__ = ["ABORT_REASONS", "CACHE_LOOKUPS", "CONTENT_TYPE_LATEST", "DISK_FULL_KINDS",
            "UPSTREAM_OUTCOMES", "Metrics"]
@@ -204,6 +204,7 @@ class Metrics:
             exported = CollectorRegistry()
             MultiProcessCollector(exported, str(directory))  # type: ignore[no-untyped-call]
             exported.register(WorkerProcesses(directory))
+        exported.register(WorkerRestarts(directory))  # at 0 for a single process
         PlatformCollector(registry=exported)
         exported.register(_BuildInfo())
         exported.register(_UpstreamMode(self._offline))

@@ -12,13 +12,14 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.multiprocess import mark_process_dead
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-__all__ = ["ENV", "WorkerProcesses", "register_worker", "remove_shared_metrics",
-           "shared_directory", "start_shared_metrics", "worker_exited"]
+__all__ = ["ENV", "WorkerProcesses", "WorkerRestarts", "count_restart", "register_worker",
+           "remove_shared_metrics", "shared_directory", "start_shared_metrics",
+           "worker_exited"]
 
 # prometheus_client reads it once, when it is first imported: so set in the parent, before
 # the workers (spawned, fresh interpreters) import anything.
@@ -26,6 +27,8 @@ ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Under the directory: one file per live worker, named by its index, holding its pid (not a
 # *.db file, so the multiprocess collector does not read it).
 _WORKERS = "workers"
+# The parent's count of workers it started again after they died (not a *.db file either).
+_RESTARTS = "restarts"
 
 
 def shared_directory() -> Path | None:
@@ -55,6 +58,24 @@ def worker_exited(directory: Path, index: int, pid: int) -> None:
     count. Its counters do: what it counted happened."""
     mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
     (directory / _WORKERS / str(index)).unlink(missing_ok=True)
+
+
+def count_restart(directory: Path) -> int:
+    """In the parent: one more worker started again; the count so far."""
+    count = _restarts(directory) + 1
+    temp = directory / f".{_RESTARTS}.tmp"
+    temp.write_text(str(count))
+    temp.replace(directory / _RESTARTS)
+    return count
+
+
+def _restarts(directory: Path | None) -> int:
+    if directory is None:
+        return 0
+    try:
+        return int((directory / _RESTARTS).read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def remove_shared_metrics(directory: Path) -> None:
@@ -88,3 +109,19 @@ class WorkerProcesses(Collector):
                     merged.add_sample(found.name, {**found.labels, "worker": marker.name},
                                       found.value)
         return list(families.values())
+
+
+class WorkerRestarts(Collector):
+    """tfproxy_worker_restarts_total: workers the parent started again after one died (an
+    OOM kill, a crash); 0 for a single process."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        """The parent's count."""
+        family = CounterMetricFamily(
+            "tfproxy_worker_restarts", "Worker processes started again after one died "
+            "(killed, crashed); a crash loop (5 in 60 s) stops the service.")
+        family.add_metric([], _restarts(self._directory))
+        return [family]
