@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.cache_cli import s3_environment
 from tests.support.fake_registry import FakeRegistry
-from tests.support.metrics import sample
+from tests.support.metrics import sample, total
 from tests.support.mirror_paths import BASE, ZIP
 from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.s3_replicas import fetch, s3_table
@@ -174,12 +174,14 @@ def test_a_lease_nobody_can_read_is_taken_over_within_its_duration_and_a_poll(
                     env={"TF_REGISTRY_PROXY_CACHE_LEASE_SECONDS": "2"})
     with proxy:
         assert fetch(proxy, f"{BASE}/3.2.1.json")[0] == 200
-        before = sample(proxy.get("/metrics").decode(), "tfproxy_store_operations_total") or 0
+        before = total(proxy.get("/metrics").decode(), "tfproxy_store_operations_total")
+        assert before
         started = time.monotonic()
         assert fetch(proxy, f"{BASE}/{ZIP}") == (200, whole)
         waited = time.monotonic() - started
         metrics = proxy.get("/metrics").decode()
-        after = sample(metrics, "tfproxy_store_operations_total") or 0
+        after = total(metrics, "tfproxy_store_operations_total")
+        assert after
     assert 2 <= waited < 2 + 0.25 + 1.5, waited  # the duration, a poll, the fill itself
     assert (after - before) / waited < 20  # the wait backs off: no loop of requests
     assert sample(metrics, "tfproxy_fill_leases_total", outcome="taken_over") == 1

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections import OrderedDict
 
 from proxy.core.errors import InsufficientStorage
+from proxy.core.held import keep_recent
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.store.index import MetadataCache
 
 # Below every key the S3 index's local copy uses (those are index keys: none starts so).
 _AREA = "~hot-copies/"
+# Copies whose checked identity is held in memory (the rest are read from the local index).
+_KNOWN = 65536
 
 
 class HotCopies:
@@ -25,11 +29,11 @@ class HotCopies:
 
     def __init__(self, local: MetadataCache) -> None:
         self._local = local
-        self._known: dict[str, tuple[FileIdentity, str]] = {}
+        self._known: OrderedDict[str, tuple[FileIdentity, str]] = OrderedDict()
 
     async def record(self, copy_key: str, identity: FileIdentity, sha256: str) -> None:
         """The copy at copy_key is the file with identity, holding bytes with sha256."""
-        self._known[copy_key] = (identity, sha256)
+        keep_recent(self._known, copy_key, (identity, sha256), _KNOWN)
         # A full local disk must not fail a hit: the copy is then checked again after a
         # restart, no more.
         with contextlib.suppress(OSError, sqlite3.Error, InsufficientStorage):
@@ -44,7 +48,7 @@ class HotCopies:
             known = await self._recorded(copy_key)
             if known is None:
                 return None
-            self._known[copy_key] = known
+            keep_recent(self._known, copy_key, known, _KNOWN)
         return known[1] if known[0] == identity else None
 
     async def forget(self, copy_key: str) -> None:
