@@ -190,6 +190,28 @@ async def test_only_signatures_that_verify_are_served_and_named(
     assert version["shasums_signatures"] == [release.keyed_signature]
 
 
+async def test_a_signature_a_client_asks_for_is_fetched_and_served_only_if_it_verifies(
+        make_releases: Make, registry: FakeRegistry) -> None:
+    """Names nobody listed (a key ID the proxy knows nothing of): fetched when asked for,
+    served if they verify with the configured release keys, refused if not; once each."""
+    client = await make_releases()
+    release = _terraform(registry, "1.10.5")
+    sums = release.files[release.sums_name]
+    good, bad = f"{release.sums_name}.0123ABCD.sig", f"{release.sums_name}.FEDC4321.sig"
+    release.files[good] = registry.cli.signer.detach_sign(sums)
+    release.files[bad] = registry.cli.impostor.detach_sign(sums)
+    try:
+        assert await _get(client, f"{TF}/1.10.5/{good}") == release.files[good]
+        refused = await client.get(f"{TF}/1.10.5/{bad}")
+        assert refused.status == 404
+        assert "verifies with the release keys" in (await refused.json())["errors"][0]
+        registry.requests.clear()
+        assert await _get(client, f"{TF}/1.10.5/{good}") == release.files[good]  # kept
+        assert not [path for _method, path in registry.requests if path.endswith(good)]
+    finally:
+        del release.files[good], release.files[bad]
+
+
 async def test_opentofu_release_assets_with_gpgsig_cosign_files_and_tofudl_list(
         make_releases: Make, registry: FakeRegistry) -> None:
     client = await make_releases()

@@ -35,8 +35,7 @@ def _runs(binary: Path) -> str:
 
 def _managers(proxy: ProxyProcess, signer: GpgKey) -> tuple[Tfenv, TenvTerraform, TenvTofu]:
     remote = proxy.url + "releases"
-    return (Tfenv(remote, proxy.ca_file, keys=signer.armored_public_key.encode(),
-                  key_postfix="." + signer.fingerprint[-8:].upper()),
+    return (Tfenv(remote, proxy.ca_file, keys=signer.armored_public_key.encode()),
             TenvTerraform(remote, proxy.ca_file, key_url=f"{remote}/keys/hashicorp.asc"),
             TenvTofu(remote, proxy.ca_file, key_url=f"{remote}/keys/opentofu.asc"))
 
@@ -88,3 +87,15 @@ def test_a_tampered_or_wrongly_signed_release_is_refused_and_not_kept(
                                                         tmp_path / "good-tofu"))
     assert len([p for p in release_requests(registry.requests)
                 if p.endswith("terraform_1.10.5_darwin_arm64.zip")]) == 2
+
+
+def test_tfenv_with_a_replaced_key_file_refuses_a_signature_by_an_unrelated_key(
+        proxy: ProxyProcess, registry: FakeRegistry, signer: GpgKey, tmp_path: Path) -> None:
+    """The .72D7468F.sig tfenv asks for is made by a key the proxy was not given (the plain
+    .sig is good): the proxy does not serve it, and tfenv's gpg check never runs on it."""
+    tfenv, _tenv_tf, _tenv_tofu = _managers(proxy, signer)
+    registry.faults.add("badsig-keyed")
+    with pytest.raises(InstallFailed, match=re.escape(
+            "terraform_1.10.5_SHA256SUMS.72D7468F.sig: HTTP 404")):
+        tfenv.install("1.10.5", "linux_amd64", tmp_path / "unrelated")
+

@@ -21,6 +21,10 @@ _VERSION = re.compile(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{
 _MAX_VERSION = 64
 _PLATFORM_PART = re.compile(r"[a-z0-9]{1,32}")
 _KEY_SUFFIX = re.compile(r"\.[0-9A-F]{8}\.sig")
+# HashiCorp's release key ID: releases.hashicorp.com publishes `..._SHA256SUMS.72D7468F.sig`,
+# and tfenv asks for that name whatever key it verifies with (a mirror re-signed with a
+# company's own key keeps the name).
+HASHICORP_KEY_ID = "72D7468F"
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class CliReleases:
             decode=lambda record: {str(k): list(v) for k, v in dict(record).items()},
             offline=config.offline, on_stale=activity.stale_answer)
         self._releases: SingleFlight[VerifiedRelease] = SingleFlight()
+        self._signatures: SingleFlight[bytes | None] = SingleFlight()
         self._held: OrderedDict[tuple[str, str], VerifiedRelease] = OrderedDict()
         self._fills: SingleFlight[Source] = SingleFlight()
         self._checked = CheckedFiles(archives)
@@ -85,6 +86,7 @@ class CliReleases:
         """Stop fills and checks under way (shutdown)."""
         await self._fills.cancel_all()
         await self._releases.cancel_all()
+        await self._signatures.cancel_all()
         await self._checked.close()
         await self._lists.close()
 
@@ -193,7 +195,8 @@ class CliReleases:
             sums = await self._client.sums(product, version)
         except NotFound:
             raise UnknownVersion(f"{product.name} has no release {version}") from None
-        signature_names = signature_candidates(product, version, self._keys[product.name])
+        signature_names = signature_candidates(product, version, self._keys[product.name],
+                                               await self._listed(product, version))
         extra_files = extra_names(product, version)
         fetched = await asyncio.gather(*(self._client.small_file(product, version, name)
                                          for name in [*signature_names, *extra_files]))
@@ -212,18 +215,54 @@ class CliReleases:
                  release.signed_by)
         return release
 
+    async def _listed(self, product: Product, version: str) -> list[str]:
+        """The files the kept copy of upstream's list names for the version (none without
+        one: the list is not fetched for this; a name a client asks for is fetched then)."""
+        listed = await self._lists.kept(layout.release_list_record(product.name))
+        return [] if listed is None else list(listed.get(version, []))
+
     async def small_file(self, product: Product, version: str, filename: str) -> bytes:
-        """The SHA256SUMS, or a signature or certificate file served with it."""
+        """The SHA256SUMS, or a signature or certificate file served with it. A signature
+        the stored release lacks (a name a client asks for that upstream did not list) is
+        fetched once and served if it verifies with the release keys."""
         kind = product.kind_of(version, filename)
         if kind == "archive":
             raise NotFound(f"{filename} is an archive, not a checksum or signature file")
-        found = (await self.release(product, version)).small_files(product).get(filename)
+        release = await self.release(product, version)
+        found = release.small_files(product).get(filename)
         if found is not None:
             return found
         if kind == "signature":
+            if not self._offline:
+                fetched = await self._signatures.run(
+                    (product.name, version, filename),
+                    lambda: self._fetch_signature(product, version, filename))
+                if fetched is not None:
+                    return fetched
             raise NotFound(f"{product.name} {version} has no {filename} that verifies with "
                            "the release keys")
         raise NotFound(f"{product.name} {version} publishes no {filename}")
+
+    async def _fetch_signature(self, product: Product, version: str,
+                               filename: str) -> bytes | None:
+        """One more signature file of a verified release, from upstream: kept with the
+        release and returned if it verifies with the release keys, else None."""
+        signature = await self._client.small_file(product, version, filename)
+        if signature is None:
+            return None
+        release = await self.release(product, version)
+        try:
+            await quick(verify_release, product, version, release.sums, {filename: signature},
+                        self._keys[product.name])
+        except IntegrityError as exc:
+            log.warning("%s %s: %s does not verify with the release keys (%s); not served",
+                        product.name, version, filename, exc.message)
+            return None
+        release = release.with_signature(filename, signature)
+        await self._index.set(layout.release_record(product.name, version),
+                              release.to_record())
+        keep_recent(self._held, (product.name, version), release, _HELD)
+        return signature
 
     # --- archives ------------------------------------------------------------------------
 

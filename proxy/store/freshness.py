@@ -103,6 +103,15 @@ class RefreshingDocuments(Generic[T]):
         except UpstreamError as exc:
             return self._stale(key, copy, exc.message, origin)
 
+    async def kept(self, key: str) -> T | None:
+        """The copy kept of the document at key, however old, without asking upstream;
+        None when there is none."""
+        held = self._held.get(key)
+        if held is not None:
+            return held.copy
+        record = await self._cache.get(key)
+        return None if record is None else self._hold_record(key, None, record)
+
     def _still_good(self, held: _Held[T], knows: Callable[[T], bool] | None) -> bool:
         """Whether a held copy answers without reading the store: online while it is fresh
         (and has what is asked for; another process's refresh then shows within the TTL),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,8 @@ from typing import Any
 import pysequoia
 
 from proxy.config.settings import ReleasesConfig
-from proxy.core.errors import IntegrityError
-from proxy.core.releases import OPENTOFU, TERRAFORM, Product
+from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.releases import HASHICORP_KEY_ID, OPENTOFU, TERRAFORM, Product
 from proxy.upstream.documents import parse_sha256sums
 from proxy.verification.signatures import verify_detached
 
@@ -99,6 +99,10 @@ class VerifiedRelease:
         """Every file served from this record, by name."""
         return {product.sums_name(self.version): self.sums, **self.signatures, **self.extras}
 
+    def with_signature(self, name: str, signature: bytes) -> VerifiedRelease:
+        """The same release serving one more signature file (verified by the caller)."""
+        return replace(self, signatures={**self.signatures, name: signature})
+
     def to_record(self) -> dict[str, Any]:
         """As the index keeps it."""
         return {"sums": _b64(self.sums), "signed_by": self.signed_by,
@@ -153,16 +157,27 @@ def _require_this_version(product: Product, version: str, checksums: Mapping[str
                              f"that release's (it lists {', '.join(sorted(checksums)[:3])})")
 
 
-def signature_candidates(product: Product, version: str,
-                         keys: ReleaseKeys) -> list[str]:
-    """The signature files to fetch for a version: HashiCorp's `.KEYID.sig` of each key
-    configured and the plain `.sig` (releases before 2021 have a plain one by a key since
-    revoked; the keyed one is by the current key); OpenTofu's `.gpgsig`."""
+def signature_candidates(product: Product, version: str, keys: ReleaseKeys,
+                         listed: Sequence[str] = ()) -> list[str]:
+    """The signature files to fetch for a version: those upstream lists for it (index.json's
+    `shasums_signatures`), HashiCorp's `.KEYID.sig` of each key configured and the plain
+    `.sig` (releases before 2021 have a plain one by a key since revoked; the keyed one is by
+    the current key); OpenTofu's `.gpgsig`. A mirror re-signed with another key keeps the
+    names clients ask for (tfenv always asks for `.72D7468F.sig`, HashiCorp's key ID): each
+    is served only if it verifies with a configured key."""
     sums = product.sums_name(version)
+    own = [name for name in listed if _is_signature(product, version, name)]
     if product is OPENTOFU:
-        return [f"{sums}.gpgsig"]
+        return [*dict.fromkeys([*own, f"{sums}.gpgsig"])]
     keyed = [f"{sums}.{fingerprint[-8:]}.sig" for fingerprint in keys.fingerprints]
-    return [*dict.fromkeys(keyed), f"{sums}.sig"]
+    return [*dict.fromkeys([*own, *keyed, f"{sums}.{HASHICORP_KEY_ID}.sig", f"{sums}.sig"])]
+
+
+def _is_signature(product: Product, version: str, name: object) -> bool:
+    try:
+        return isinstance(name, str) and product.kind_of(version, name) == "signature"
+    except NotFound:
+        return False
 
 
 def extra_names(product: Product, version: str) -> Sequence[str]:

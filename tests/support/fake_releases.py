@@ -4,9 +4,14 @@ OpenTofu's GitHub release assets under `/github/opentofu/opentofu/releases/downl
 TofuDL's release list at `/get-opentofu/tofu/api.json`. Real zips holding an executable that
 prints its version, a real SHA256SUMS and real detached OpenPGP signatures.
 
+The keyed signature is named `NAME.72D7468F.sig` whoever signed it: HashiCorp's key ID, as
+releases.hashicorp.com names it and as an internal mirror re-signed with a company's own key
+keeps it (tfenv asks for that name, hardcoded); the tests sign with keys of their own.
+
 Faults (the registry's fault set): "tamper-release" serves every archive with one byte
 changed, "badsig-release" serves signatures made by another key, "badsig-plain" only the
-plain `.sig` (as releases before 2021 have one by a key since revoked)."""
+plain `.sig` (as releases before 2021 have one by a key since revoked), "badsig-keyed" only
+the keyed `.72D7468F.sig`."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ RELEASE_PLATFORMS = ("linux_amd64", "darwin_arm64", "windows_amd64")
 # What each product's binary prints for `version`, as the real ones begin.
 BANNERS = {"terraform": "Terraform v{}", "opentofu": "OpenTofu v{}"}
 PREFIXES = {"terraform": "terraform", "opentofu": "tofu"}
+HASHICORP_KEY_ID = "72D7468F"
 
 
 def _zip(name: str, script: bytes) -> bytes:
@@ -76,8 +82,8 @@ class CliRelease:
 
     @property
     def keyed_signature(self) -> str:
-        """HashiCorp's `NAME.KEYID.sig` for the key that signed."""
-        return f"{self.sums_name}.{self.signer_fingerprint[-8:]}.sig"
+        """HashiCorp's `NAME.72D7468F.sig` (its key ID, whichever key signed)."""
+        return f"{self.sums_name}.{HASHICORP_KEY_ID}.sig"
 
 
 class CliReleases:
@@ -182,7 +188,8 @@ class CliReleases:
         data = release.files[name]
         faults = self._faults()
         if "badsig-release" in faults or ("badsig-plain" in faults and name.endswith(
-                "_SHA256SUMS.sig")):
+                "_SHA256SUMS.sig")) or ("badsig-keyed" in faults and name.endswith(
+                f".{HASHICORP_KEY_ID}.sig")):
             data = self._bad_signatures[(product, version)].get(name, data)
         if "tamper-release" in faults and name.endswith((".zip", ".tar.gz")):
             data = data[:-30] + bytes([data[-30] ^ 0xFF]) + data[-29:]

@@ -126,7 +126,6 @@ class Tfenv(_Client):
     """tfenv with TFENV_REMOTE, verifying with gpg (use-gnupg) when keys are given."""
 
     keys: bytes | None = None
-    key_postfix: str = ".72D7468F"  # tfenv's shasums_signing_key_postfix
 
     def list_remote(self) -> list[str]:
         body = self.get(f"{self.remote}/terraform/").decode()
@@ -143,8 +142,9 @@ class Tfenv(_Client):
         data = self.get(f"{version_url}/{tarball}")
         sums = self.get(f"{version_url}/{shasums}")
         if self.keys is not None:
-            gpg_verify(self.keys, sums,
-                       self.get(f"{version_url}/{shasums}{self.key_postfix}.sig"))
+            # tfenv's shasums_signing_key_postfix: HashiCorp's key ID, fixed in its source
+            # whatever key the user verifies with (libexec/tfenv-install).
+            gpg_verify(self.keys, sums, self.get(f"{version_url}/{shasums}.72D7468F.sig"))
         check_sha256(data, sums, tarball)
         return unzip_binary(data, "terraform", into / version)
 
