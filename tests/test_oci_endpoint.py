@@ -203,6 +203,31 @@ async def test_errors_have_the_oci_shape_and_codes(client: TestClient) -> None:
         assert response.headers["Docker-Distribution-API-Version"] == "registry/2.0"
 
 
+async def test_names_outside_the_oci_grammar_are_name_invalid_without_an_upstream_request(
+        client: TestClient, registry: FakeRegistry) -> None:
+    """OCI repository names are lower case, `[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*` per
+    component: refused as Distribution refuses them, before anything is looked up."""
+    registry.requests.clear()
+    names = ["providers/REGISTRY.TERRAFORM.IO/hashicorp/null",
+             "providers/registry.terraform.io/HashiCorp/null",
+             "providers/registry.terraform.io/hashicorp/NULL",
+             "providers/registry.terraform.io/hashicorp/null-",
+             "providers/registry.terraform.io/-hashicorp/null",
+             "providers/registry..terraform.io/hashicorp/null",
+             "modules/registry.terraform.io/Acme/tarball/aws",
+             "modules/registry.terraform.io/acme/tarball/AWS"]
+    for name in names:
+        for method, path in (("GET", "tags/list"), ("HEAD", "manifests/3.2.1"),
+                             ("GET", "manifests/3.2.1"), ("GET", f"blobs/sha256:{'0' * 64}")):
+            response = await client.request(method, f"/v2/{name}/{path}")
+            assert response.status == 400, (method, name, path)
+            if method == "GET":
+                assert await _oci_error(response) == "NAME_INVALID", (name, path)
+    assert registry.requests == []
+    lower = await client.get("/v2/providers/registry.terraform.io/hashicorp/null/tags/list")
+    assert lower.status == 200
+
+
 async def test_other_methods_under_v2_get_an_oci_405(client: TestClient) -> None:
     for method in ("PUT", "DELETE", "POST"):
         response = await client.request(method, f"{REPO}/manifests/3.2.1")

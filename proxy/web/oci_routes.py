@@ -42,6 +42,7 @@ _PAGE_SIZE = re.compile(r"[0-9]{1,6}")  # ASCII digits only: str.isdigit takes "
 # A repository name as the distribution spec allows it: anything else stays out of a header.
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPOSITORY_NAME = re.compile(f"{_COMPONENT}(?:/{_COMPONENT})*")
+_COMPONENT_NAME = re.compile(_COMPONENT)
 
 
 def add_oci_routes(get: RouteAdder) -> None:
@@ -90,8 +91,23 @@ class _Repository:
     served_kind: str  # the tfproxy_served_bytes kind of its blobs
 
 
+class NameInvalid(BadRequest):
+    """A repository name outside the distribution spec's grammar (OCI: NAME_INVALID)."""
+
+
 def _repository(request: web.Request) -> _Repository:
+    """The repository the path names; NameInvalid, before anything is looked up, for a name
+    the distribution spec does not allow (upper case among them: `[a-z0-9]` and separators
+    only), as Distribution refuses it."""
     info = request.match_info
+    kind = "modules" if "system" in info else "providers"
+    segments = [info[part] for part in ("hostname", "namespace", "type", "name", "system")
+                if part in info]
+    if not all(_COMPONENT_NAME.fullmatch(segment) for segment in segments):
+        named = "/".join([kind, *segments])
+        raise NameInvalid(f"invalid repository name {named[:200]!r}: OCI repository names "
+                          "are lower case (letters, digits and . _ __ - between them), e.g. "
+                          f"{named.lower()[:200]!r}")
     if "system" in info:
         module = ModuleAddress.parse(info["hostname"], info["namespace"], info["name"],
                                      info["system"])
@@ -191,6 +207,8 @@ def _code(request: web.Request, status: int, exc: Exception) -> str:
         return "DIGEST_INVALID"
     if isinstance(exc, PaginationInvalid):
         return "PAGINATION_NUMBER_INVALID"
+    if isinstance(exc, NameInvalid):
+        return "NAME_INVALID"
     if isinstance(exc, ManifestUnknown):
         return "MANIFEST_UNKNOWN"
     if isinstance(exc, BlobUnknown):
