@@ -247,14 +247,18 @@ async def test_terraform_providers_mirror_directory_imports_and_serves(
         "url": zip_path.name, "hashes": [h1_of_zip(zip_path)]}}}))
     inside = offline_config(tmp_path, "inside")
     key = str(_write(tmp_path / "k.asc", signer.armored_public_key))
-    for flags in (["--bundle-key", key], ["--allow-unsigned-bundle", "--trusted-keys", key]):
-        # Nothing in the directory is signed: no key can check it, and none pretends to.
+    for flags in ([], ["--bundle-key", key], ["--allow-unsigned", "--trusted-keys", key]):
+        # Nothing in the directory is signed: no key can check it, and none pretends to. The
+        # advice is the directory's, never the bundle's (an exporter's key from `keygen`).
         unvouched = cli("import", "--config", str(inside), *flags, str(tmp_path / "mirror"),
                         cwd=tmp_path)
         assert unvouched.returncode == 2, flags
-        assert "so only --allow-unsigned-bundle imports it" in unvouched.stderr, flags
+        assert "is a `terraform providers mirror` directory" in unvouched.stderr, flags
+        assert "Import it with --allow-unsigned if it came over a path you trust" \
+            in unvouched.stderr, flags
+        assert "keygen" not in unvouched.stderr, flags
     assert not (tmp_path / "inside").exists()
-    result = cli("import", "--config", str(inside), "--allow-unsigned-bundle",
+    result = cli("import", "--config", str(inside), "--allow-unsigned",
                  str(tmp_path / "mirror"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     client: TestClient = await aiohttp_client(create_app(load_config(inside, environ={})))
@@ -630,7 +634,7 @@ def test_an_unsigned_bundle_needs_the_explicit_opt_out(
     allowed = cli("import", "--config", inside, "--allow-unsigned-bundle", str(output),
                   cwd=tmp_path)
     assert allowed.returncode == 0, allowed.stderr
-    assert "origin not checked: --allow-unsigned-bundle" in allowed.stdout
+    assert "origin not checked: --allow-unsigned" in allowed.stdout
 
 
 def test_presigned_upstream_urls_are_neither_stored_nor_exported(

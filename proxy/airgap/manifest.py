@@ -165,7 +165,7 @@ def check_signature(manifest_bytes: bytes, tar: tarfile.TarFile,
     if SIGNATURE not in members:
         raise BundleError(f"{SIGNATURE}: missing, the bundle is not signed (export it with "
                           "--signing-key; or, only if it came over a path you trust, "
-                          "import it with --allow-unsigned-bundle)")
+                          "import it with --allow-unsigned)")
     try:
         return verify_manifest(manifest_bytes, read_small(tar, members, SIGNATURE),
                                bundle_keys)

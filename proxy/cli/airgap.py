@@ -105,21 +105,24 @@ def _trusted_keys(path: Path) -> list[str]:
 
 def import_command(config: Config, args: argparse.Namespace) -> int:
     """`import`: verify a bundle (or a mirror directory) and add it to the cache."""
-    if args.bundle_key is None and not args.allow_unsigned_bundle:
-        return fail("import needs --bundle-key FILE (the public key of the exporter, from "
-                    "`keygen`), or --allow-unsigned-bundle for one that came over a path "
-                    "you trust")
+    directory = args.bundle.is_dir()
+    if directory and (args.bundle / "manifest.json").exists():
+        return fail(f"{args.bundle} looks like an unpacked bundle: import the .tar that "
+                    "`export` wrote")
+    if directory and (not args.allow_unsigned or args.trusted_keys is not None
+                      or args.bundle_key is not None):
+        return fail(f"{args.bundle} is a `terraform providers mirror` directory: nothing in "
+                    "it is signed, so no key can vouch for it (--bundle-key and "
+                    "--trusted-keys have nothing to check); each zip is checked against the "
+                    "hashes its VERSION.json lists. Import it with --allow-unsigned if it "
+                    "came over a path you trust")
+    if args.bundle_key is None and not args.allow_unsigned:
+        return fail("import needs --bundle-key FILE (the exporter's public key, from "
+                    "`keygen`), or --allow-unsigned for a bundle that came over a path you "
+                    "trust")
     try:
         trusted = None if args.trusted_keys is None else _trusted_keys(args.trusted_keys)
-        if args.bundle.is_dir():
-            if (args.bundle / "manifest.json").exists():
-                return fail(f"{args.bundle} looks like an unpacked bundle: import the .tar "
-                            "that `export` wrote")
-            if not args.allow_unsigned_bundle or trusted is not None:
-                return fail(f"{args.bundle} is a `terraform providers mirror` directory: it "
-                            "carries no signatures (nothing for --bundle-key or "
-                            "--trusted-keys to check), so only --allow-unsigned-bundle "
-                            "imports it")
+        if directory:
             counts = import_mirror_directory(config, args.bundle)
             if counts.providers + counts.present == 0:
                 return fail(f"{args.bundle} holds no `terraform providers mirror` packages "
@@ -135,7 +138,7 @@ def import_command(config: Config, args: argparse.Namespace) -> int:
     except BundleError as exc:
         return fail(f"refused {args.bundle}: {exc}")
     origin = f"bundle signed by {counts.signed_by}" if counts.signed_by \
-        else "origin not checked: --allow-unsigned-bundle"
+        else "origin not checked: --allow-unsigned"
     present = f"; {counts.present} already in the cache" if counts.present else ""
     releases = f", {counts.releases} CLI release archives" if counts.releases else ""
     print(f"imported {counts.providers} provider packages, {counts.modules} module archives"

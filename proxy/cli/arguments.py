@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "--export-secret-keys`)")
             signing.add_argument("--unsigned", action="store_true",
                                  help="write an unsigned bundle: importers will need "
-                                      "--allow-unsigned-bundle")
+                                      "--allow-unsigned")
             command.add_argument("--passphrase-file", type=Path, metavar="FILE",
                                  help="first line: the passphrase of --signing-key, if it "
                                       "has one")
@@ -98,11 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "bundle's signature must verify with one of them, and "
                                      "then the registry signing keys it carries are trusted "
                                      "for the provider signatures")
-            origin.add_argument("--allow-unsigned-bundle", action="store_true",
-                                help="import without checking who made the bundle (or a "
-                                     "mirror directory, which carries no signature): "
-                                     "nothing then vouches for its modules or the keys it "
-                                     "carries; only for one that came over a path you trust")
+            # --allow-unsigned-bundle: the name before directories were imported (kept).
+            origin.add_argument("--allow-unsigned", "--allow-unsigned-bundle",
+                                dest="allow_unsigned", action="store_true",
+                                help="import what nobody signed: a bundle exported "
+                                     "--unsigned, or a `terraform providers mirror` "
+                                     "directory (its zips are checked against the hashes "
+                                     "it lists); nothing then vouches for its origin, its "
+                                     "modules or the keys it carries: only for one that "
+                                     "came over a path you trust")
             command.add_argument("--trusted-keys", type=Path, metavar="KEYS.asc",
                                  help="optional extra check: armored OpenPGP keys (e.g. a "
                                       "registry's release keys) that every provider "
