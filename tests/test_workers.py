@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from proxy.cli.workers import RestartBudget
 from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
 from tests.support.metrics import sample
@@ -122,6 +124,31 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
     assert proxy.process.returncode == 0  # it stopped when told to, not before
     # The killed worker could not remove its temp directory: the parent did.
     assert not list((cache / "tmp").glob(f"p{killed}-*"))
+
+
+def test_a_second_proxy_on_a_port_in_use_is_refused_and_the_first_serves_alone(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    """SO_REUSEPORT lets a proxy's own workers share its port, and must not let another
+    proxy (an offline one, another cache) join them and answer half of their clients."""
+    port = free_port()
+    workers = {"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"}
+    first_config = write_config(cache_dir=tmp_path / "first", port=port).rename(
+        tmp_path / "first.toml")
+    first = ProxyProcess(first_config, tmp_path / "first", port, tmp_path / "first.log",
+                         env=workers)
+    second_config = write_config(cache_dir=tmp_path / "second", port=port)
+    second_config = second_config.rename(tmp_path / "second.toml")
+    second = ProxyProcess(second_config, tmp_path / "second", port, tmp_path / "second.log",
+                          env={**workers, "TF_REGISTRY_PROXY_UPSTREAM_MODE": "offline"})
+    with first:
+        with pytest.raises(RuntimeError, match="proxy exited"):
+            second.start()
+        assert second.process is not None and second.process.wait(timeout=10) == 2
+        log = second.log.read_text()
+        assert f"cannot listen on 127.0.0.1:{port}: already in use" in log
+        assert "stopping the others" not in log and "listening on" not in log
+        modes = [json.loads(first.get("/status.json"))["mode"] for _ in range(8)]
+        assert modes == ["online"] * 8
 
 
 def test_a_crash_loop_stops_restarting() -> None:

@@ -7,7 +7,7 @@ import sqlite3
 
 from proxy.cli.logs import configure_server_logging
 from proxy.cli.messages import fail
-from proxy.cli.server import run_loop, run_server
+from proxy.cli.server import port_taken, run_loop, run_server
 from proxy.cli.startup import log_startup
 from proxy.cli.workers import serve_workers
 from proxy.config import Config
@@ -52,6 +52,9 @@ def serve(config: Config) -> int:
         except OSError as exc:
             return fail(f"server.audit_log {server.audit_log}: cannot open it: "
                         f"{exc.strerror or exc}")
+    taken = port_taken(server.host, server.port)
+    if taken is not None:  # once, here: not each worker, and never sharing it with another
+        return fail(taken)
     if server.workers > 1:
         if config.cache.s3 is None:
             try:  # once, here, for the same reason: e.g. a full disk

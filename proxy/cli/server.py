@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sqlite3
 import ssl
 from collections.abc import Coroutine
@@ -27,6 +29,42 @@ from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
 
 log = logging.getLogger("proxy")
 T = TypeVar("T")
+
+
+def listen_hosts(host: str) -> list[str]:
+    """The addresses server.listen's host binds: "::" alone is IPv6-only in asyncio, and
+    "[::]:PORT" means every interface, so IPv4's too."""
+    return [host, "0.0.0.0"] if host == "::" else [host]
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why the proxy cannot listen on host:port (a message), or None. Bound once without
+    SO_REUSEPORT, as nothing else may share the port: another program, or another proxy
+    (whose workers share it with SO_REUSEPORT, which would let this one's join them and
+    take half of their clients), holding it is refused here, before any worker starts."""
+    for address in listen_hosts(host):
+        try:
+            infos = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            return f"server.listen: cannot listen on {host}:{port}: {exc.strerror}"
+        for family, kind, proto, _name, where in infos:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    probe.bind(where)
+                except OSError as exc:
+                    return _cannot_listen(host, port, exc)
+    return None
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"server.listen: cannot listen on {host}:{port}: already in use (another "
+                "program, or another tf-registry-proxy, listens there)")
+    return f"server.listen: cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
 def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
@@ -66,16 +104,13 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
                   else "clients must trust the CA that issued server.tls_cert")
     failures = HandshakeFailures(runner.app[METRICS_KEY].tls_handshake_failures, trust_hint)
     connections = open_connections(server, runner.app[METRICS_KEY])
-    # "::" alone is IPv6-only in asyncio; "[::]:PORT" means every interface, so add IPv4.
-    hosts = [server.host, "0.0.0.0"] if server.host == "::" else [server.host]
     try:
-        for host in hosts:
+        for host in listen_hosts(server.host):
             await TlsSite(runner, host, server.port, context, failures, connections,
                           reuse_port=reuse_port or None).start()
     except OSError as exc:
         await runner.cleanup()
-        return fail(f"server.listen: cannot listen on {server.host}:{server.port}: "
-                    f"{exc.strerror or exc}")
+        return fail(_cannot_listen(server.host, server.port, exc))
     # One line per serving process, once its port is bound (the summary came before).
     log.info("listening on %s port %d", server.host, server.port)
     signals = StopSignals()

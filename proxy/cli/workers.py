@@ -110,7 +110,8 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
                 continue  # stopping: they are meant to go
             how = _how_it_ended(dead.exitcode)
             if dead.exitcode == STARTUP_REFUSED:
-                log.error("%s %s; stopping the others", dead.name, how)
+                log.error("%s could not start (its message above says why); stopping the "
+                          "others", dead.name)
                 code = STARTUP_REFUSED
                 stop()
                 continue
