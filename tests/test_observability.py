@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import ssl
 import subprocess
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -21,6 +25,7 @@ from proxy.web.access_log import (
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP
+from tests.support.proxy_process import ProxyProcess, free_port
 from tests.support.tools import prometheus_tool
 
 
@@ -95,3 +100,21 @@ async def test_metrics_move_and_pass_promtool(client: TestClient,
     checked = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
                              capture_output=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_access_log_says_miss_for_an_answer_that_waited_for_upstream(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    """Terraform's HEAD of a module archive waits for the clone and gets the stored file:
+    a miss, not a hit; the GET after it, and every later HEAD, is a hit."""
+    port, cache = free_port(), tmp_path / "cache"
+    archive = "/modules/registry.terraform.io/acme/tarball/aws/1.0.0/tarball-aws-1.0.0.tar.gz"
+    with ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
+                      tmp_path / "proxy.log") as proxy:
+        context = ssl.create_default_context(cafile=str(proxy.ca_file))
+        for method in ("HEAD", "GET", "HEAD"):
+            request = urllib.request.Request(proxy.url + archive.lstrip("/"), method=method)
+            with urllib.request.urlopen(request, context=context, timeout=30) as answer:
+                assert answer.status == 200
+    lines = [line for line in proxy.log.read_text().splitlines()
+             if "tarball-aws-1.0.0.tar.gz" in line and "cache=" in line]
+    assert [line.split("cache=")[1].split()[0] for line in lines] == ["miss", "hit", "hit"]

@@ -28,6 +28,7 @@ from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress
 from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import SingleFlight
+from proxy.core.waits import missed_the_cache
 from proxy.modules.packing import read_packed
 from proxy.modules.sources import ModuleSource, parse_source
 from proxy.protocols.held_documents import VersionListAnswers
@@ -125,6 +126,7 @@ class ModuleRegistry:
             self._metrics.cache_lookups.labels("module", "hit").inc()
         else:
             self._metrics.cache_lookups.labels("module", "miss").inc()
+            missed_the_cache()
             # Shielded: a client that hangs up does not cancel a fill others wait for.
             stored = await asyncio.shield(self._start_fill(module, version))
         await self._note_served(module, version)

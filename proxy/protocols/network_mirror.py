@@ -20,6 +20,7 @@ from proxy.core.json_bodies import JsonBody, json_body
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress, version_sort_key
 from proxy.core.spool import GrowingFile
+from proxy.core.waits import missed_the_cache
 from proxy.protocols.held_documents import (
     Built,
     HeldAnswers,
@@ -165,6 +166,7 @@ class ProviderMirror:
             await self._packages.note_served(provider, version, platform)
             return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
+        missed_the_cache()
         filled = await self._fills.archive(provider, version, platform)
         # Counted once it exists: made-up names cannot crowd out the real ones.
         self._activity.requested("provider", str(provider))

@@ -33,6 +33,7 @@ from proxy.core.redaction import mask_secrets
 from proxy.core.releases import Product, parse_release_version
 from proxy.core.singleflight import Offer, SingleFlight
 from proxy.core.spool import GrowingFile
+from proxy.core.waits import missed_the_cache
 from proxy.store import layout
 from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
@@ -285,6 +286,7 @@ class CliReleases:
             raise Offline(f"{product.name} {version} {platform} is not in the cache, and the "
                           "proxy is offline")
         self._metrics.cache_lookups.labels("release", "miss").inc()
+        missed_the_cache()
         return await self._fills.run_streaming(
             layout.release_fill(product.name, version, filename),
             lambda offer: self._fill(product, version, filename, expected, offer),

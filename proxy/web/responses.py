@@ -24,6 +24,7 @@ from proxy.core.file_reads import ChunkReader
 from proxy.core.json_bodies import JsonBody
 from proxy.core.redaction import mask_secrets
 from proxy.core.spool import GrowingFile
+from proxy.core.waits import watching_waits
 from proxy.store.damage import DamagedFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
 from proxy.web.access_log import ABORTED_KEY, CACHE_RESULT_KEY
@@ -98,8 +99,12 @@ async def send_file(request: web.Request,
     anything is sent. headers: more headers for the answer."""
     answer_headers = {"Content-Type": content_type, **(headers or {})}
     for _attempt in range(_FIND_ATTEMPTS):
-        source = await find()
-        request[CACHE_RESULT_KEY] = "hit" if isinstance(source, BlobInfo) else "miss"
+        with watching_waits() as waited:
+            source = await find()
+        # A stored file the request had to wait for (a fill published meanwhile) is a miss.
+        missed = waited[0] or not isinstance(source, BlobInfo) \
+            or request.get(CACHE_RESULT_KEY) == "miss"  # an earlier look at it waited
+        request[CACHE_RESULT_KEY] = "miss" if missed else "hit"
         if isinstance(source, GrowingFile):
             if request.method != "HEAD":
                 return await _stream(request, source, answer_headers, served)
