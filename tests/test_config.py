@@ -104,6 +104,24 @@ services = { "providers.v1" = "http://x.example/", "login.v1" = "https://x.examp
     assert len(caught.value.problems) == 11
 
 
+def test_a_mistyped_key_is_answered_with_the_key_it_resembles(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, """
+[server]
+lisen = "127.0.0.1:8443"
+[cache]
+max_sise = "1GiB"
+[upstream]
+allowed_host = ["registry.terraform.io"]
+nonsense_entirely = 1
+"""), environ={})
+    assert caught.value.problems == [
+        "server.lisen: unknown key (did you mean server.listen?)",
+        "cache.max_sise: unknown key (did you mean cache.max_size?)",
+        "upstream.allowed_host: unknown key (did you mean upstream.allowed_hosts?)",
+        "upstream.nonsense_entirely: unknown key"]
+
+
 def test_invalid_toml_is_one_clear_problem(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(write(tmp_path, "[server\n"), environ={})

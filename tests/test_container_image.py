@@ -33,6 +33,8 @@ from tests.support.container_image import (
 )
 from tests.support.proxy_process import free_port
 
+# End to end: the image is built and run (about a minute): left out by `-m "not e2e"`.
+pytestmark = pytest.mark.e2e
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 STATE, CACHE = "/var/lib/tf-registry-proxy", "/var/cache/tf-registry-proxy"
 # What the image must stay under (README, "Docker").

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import re
@@ -416,7 +417,9 @@ class _Parser:
     def _unknown(self, table: dict[str, Any], prefix: str, known: tuple[str, ...]) -> None:
         for key in table:
             if key not in known:
-                self.problems.append(f"{prefix}{key}: unknown key")
+                near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+                hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
+                self.problems.append(f"{prefix}{key}: unknown key{hint}")
 
     def _str(self, where: str, table: dict[str, Any], key: str) -> str | None:
         value = table.get(key)
