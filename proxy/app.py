@@ -17,6 +17,7 @@ from proxy.core.audit import AuditLog
 from proxy.core.errors import ProxyError
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
+from proxy.protocols.inventory import Inventory
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.oci_distribution import OciProviders
@@ -44,12 +45,14 @@ from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
 from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes, oci_error
+from proxy.web.pulls import PULLS_KEY, PullCounter
 from proxy.web.release_routes import RELEASES_KEY, add_release_routes
 from proxy.web.routes import (
     ARCHIVES_KEY,
     AUDIT_KEY,
     CONFIG_KEY,
     FILE_ROUTES,
+    INVENTORY_KEY,
     METRICS_KEY,
     MIRROR_KEY,
     MODULES_KEY,
@@ -139,6 +142,10 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
                           SnapshotShare(snapshot_directory(config)))
     await opened.enter_async_context(status.sharing())
     app[STATUS_KEY] = status
+    app[PULLS_KEY] = PullCounter(activity, name_clients=audit.enabled)
+    inventory = Inventory(storage)
+    opened.push_async_callback(inventory.close)
+    app[INVENTORY_KEY] = inventory
     egress = EgressPolicy.from_config(config.upstream, config.releases.urls)
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)

@@ -9,6 +9,8 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -246,8 +248,8 @@ def test_recorded_reasons_are_masked() -> None:
 def test_hostile_names_and_reasons_stay_text() -> None:
     hostile = '<script>document.title="pwned"</script><img src=x onerror=alert(1)>"\'&'
     activity = Activity()
-    activity.requested("provider", hostile)
-    activity.requested("module", hostile)
+    activity.pulled("provider", hostile, "1.0.0", "hit", hostile)
+    activity.pulled("module", hostile, "1.0.0", "miss", None)
     activity.upstream_failed(hostile, hostile)
     activity.integrity_failure(hostile, hostile, hostile)
     merged = merge_snapshots([activity.snapshot()])
@@ -265,12 +267,18 @@ def test_hostile_names_and_reasons_stay_text() -> None:
         "integrity_failures": merged["integrity_failures"],
         "top_providers": [{"name": n, "requests": c} for n, c in merged["requested"]["provider"]],
         "top_modules": [{"name": n, "requests": c} for n, c in merged["requested"]["module"]],
+        "pulls": {"total": 2, "hits": 1, "hit_rate": 0.5},
+        "recent_pulls": merged["recent_pulls"],
+        "clients": [{"client": hostile, "pulls": 1, "last_pull": hostile}],
     }
     page = render_status_page(document)
     reader = PageReader(page)
     assert "script" not in reader.tags and "img" not in reader.tags
     assert reader.tags.count("style") == 1
     assert reader.body_rows("top-providers") == [[hostile, "1"]]
+    assert [row[2:] for row in reader.body_rows("recent-pulls")] == [
+        [f"{hostile} 1.0.0", "miss", "—"], [f"{hostile} 1.0.0", "hit", hostile]]
+    assert reader.body_rows("clients") == [[hostile, "1", hostile]]
     assert reader.body_rows("integrity")[0][1:] == [hostile, hostile[:40], hostile]
     assert reader.texts["mode"] == hostile
 
@@ -291,9 +299,9 @@ def test_snapshots_merge_across_processes(tmp_path: Path) -> None:
     second.upstream_failed("h", "down")
     second.stale_answer("h")
     for _ in range(3):
-        first.requested("provider", "a/b/c")
-    second.requested("provider", "a/b/c")
-    second.requested("provider", "x/y/z")
+        first.pulled("provider", "a/b/c", "1.0.0", "hit", None)
+    second.pulled("provider", "a/b/c", "1.0.0", "hit", None)
+    second.pulled("provider", "x/y/z", "1.0.0", "miss", None)
     first.integrity_failure("old", "checksum", "r1")
     time.sleep(0.01)
     second.integrity_failure("new", "signature", "r2")
@@ -367,3 +375,80 @@ async def test_metrics_say_whether_the_instance_is_offline(make: AppClient) -> N
         client = await make(upstream_mode=mode)
         text = await (await client.get("/metrics")).text()
         assert sample(text, "tfproxy_upstream_offline") == expected, mode
+
+
+MODULE = "registry.terraform.io/acme/tarball/aws"
+MODULE_ARCHIVE = f"/modules/{MODULE}/1.0.0/tarball-aws-1.0.0.tar.gz"
+
+
+async def test_a_head_and_its_get_are_one_pull_and_a_first_install_is_all_misses(
+        make: AppClient, tmp_path: Path) -> None:
+    """As Terraform asks for a module archive: HEAD (it waits for the fill), then GET. One
+    init is one request per artifact, and a first install on an empty cache a 0% hit rate."""
+    audit = tmp_path / "audit.log"
+    client = await make(server_audit_log=str(audit))
+    for _ in range(2):  # two inits
+        for method in ("HEAD", "GET"):
+            response = await client.request(method, MODULE_ARCHIVE)
+            assert response.status == 200
+            await response.read()  # counted once the answer is whole
+        if _ == 0:
+            first = await status(client)
+            assert first["top_modules"] == [{"name": MODULE, "requests": 1}]
+            assert first["pulls"] == {"total": 1, "hits": 0, "hit_rate": 0.0}
+    document = await status(client)
+    assert document["top_modules"] == [{"name": MODULE, "requests": 2}]
+    assert document["pulls"] == {"total": 2, "hits": 1, "hit_rate": 0.5}
+    assert [(p["artifact"], p["cache"]) for p in document["recent_pulls"]] == [
+        (f"{MODULE} 1.0.0", "hit"), (f"{MODULE} 1.0.0", "miss")]
+    [client_row] = document["clients"]  # the audit log is on: who pulled is named
+    assert client_row["pulls"] == 2 and client_row["client"].startswith("127.0.0.1")
+
+
+async def test_without_the_audit_log_pulls_name_no_client(make: AppClient) -> None:
+    client = await make()
+    response = await client.get(archive_path("linux_amd64"))
+    assert response.status == 200
+    await response.read()  # counted once the answer is whole
+    document = await status(client)
+    assert [p["client"] for p in document["recent_pulls"]] == [None]
+    assert document["clients"] is None
+    page = PageReader(await (await client.get("/")).text())
+    assert "clients" not in page.texts and page.body_rows("recent-pulls")[0][3] == "miss"
+
+
+async def test_the_inventory_lists_what_cache_list_lists_searched_and_paged(
+        make: AppClient, write_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    client = await make()
+    for path in (archive_path("linux_amd64"), archive_path("darwin_arm64"), MODULE_ARCHIVE):
+        response = await client.get(path)
+        assert response.status == 200
+        await response.read()
+    listed = json.loads(cache_list(write_config()))
+    inventory = await (await client.get("/status/cache.json")).json()
+    assert [(e["kind"], e["address"], e["version"], e["platforms"]) for e in
+            inventory["entries"]] == [
+        ("provider", NULL, "3.2.1", sorted(p["platform"] for p in listed["providers"])),
+        ("module", MODULE, "1.0.0", [])]
+    assert sum(e["bytes"] for e in inventory["entries"]) == listed["total_bytes"]
+    assert all(e["last_used"] for e in inventory["entries"])
+    searched = await (await client.get("/status/cache.json?q=ACME")).json()
+    assert [e["address"] for e in searched["entries"]] == [MODULE]
+    monkeypatch.setattr("proxy.protocols.inventory.PAGE_SIZE", 1)
+    monkeypatch.setattr("proxy.protocols.inventory.HELD_SECONDS", 0.0)
+    second = await (await client.get("/status/cache.json?page=2")).json()
+    assert (second["page"], second["pages"], [e["address"] for e in second["entries"]]) == \
+        (2, 2, [MODULE])
+    page = PageReader(await (await client.get("/status/cache?q=%3Cscript%3E&page=x")).text())
+    assert "script" not in page.tags  # the query is shown, escaped
+    assert page.body_rows("held") == []
+
+
+def cache_list(config: Path) -> str:
+    """`cache list --json` over the same cache directory."""
+    done = subprocess.run([sys.executable, "-m", "proxy", "cache", "list", "--json",
+                           "--config", str(config)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "TF_REGISTRY_PROXY_CONFIG": ""})
+    assert done.returncode == 0, done.stderr
+    return done.stdout

@@ -50,8 +50,17 @@ async def test_the_page_renders_what_the_proxy_did(make: AppClient, registry: Fa
     assert set(upstreams) >= {"registry.terraform.io", "registry.opentofu.org"}
     assert upstreams["registry.terraform.io"][1] != "—"  # a last success
     assert "of 10.0 MiB" in page.texts["cache"] and "1 file" in page.texts["cache"]
-    assert "%" in page.texts["hit-rate"]
+    assert page.texts["hit-rate"].startswith("Hit rate 50.0% 1 of 2 files from the cache")
     assert page.texts["fills"].startswith("Fills in flight 0")
+    assert [row[2:4] for row in page.body_rows("recent-pulls")] == [
+        [f"{NULL} 3.2.1", "hit"], [f"{NULL} 3.2.1", "miss"]]
+
+    # The inventory: what `cache list` lists (here: the one package the cache holds).
+    inventory = PageReader(await dump_dom(str(client.make_url("/status/cache?q=null")),
+                                          tmp_path / "browser"))
+    [held] = inventory.body_rows("held")
+    assert held[:4] == ["provider", NULL, "3.2.1", "linux_amd64"]
+    assert held[5] != "—"  # its last use
 
     picture = tmp_path / "status.png"
     await screenshot(url, picture, tmp_path / "browser", WIDTH, HEIGHT)

@@ -26,6 +26,8 @@ COUNTED_NAMES = 1000
 HOSTS = 64
 _REASON_CHARACTERS = 300
 REQUEST_KINDS = ("provider", "module")
+# Pulls remembered (the newest), each an artifact sent to a client.
+RECENT_PULLS = 100
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Activity:
         self._hosts: dict[str, HostHealth] = {}
         self._failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         self._requested = {kind: CappedCounts() for kind in REQUEST_KINDS}
+        self._pulls: deque[dict[str, Any]] = deque(maxlen=RECENT_PULLS)
+        self._pulled = {"hit": 0, "miss": 0}
 
     def _host(self, host: str) -> HostHealth | None:
         health = self._hosts.get(host)
@@ -100,15 +104,24 @@ class Activity:
         if health is not None:
             health.stale_answers += 1
 
+    def pulled(self, kind: str, name: str, version: str, cache: str,
+               client: str | None) -> None:
+        """An artifact (kind: provider, module, cli) was sent to a client, from the cache
+        (cache "hit") or after waiting for upstream ("miss"); client: who asked, when the
+        operator records that (the audit log is on), else None."""
+        if kind in self._requested:
+            self._requested[kind].add(name)
+        outcome = "miss" if cache == "miss" else "hit"
+        self._pulled[outcome] += 1
+        self._pulls.appendleft({
+            "time": time.time(), "kind": kind, "artifact": excerpt(f"{name} {version}", 200),
+            "cache": outcome, "client": None if client is None else excerpt(client, 120)})
+
     def integrity_failure(self, artifact: str, kind: str, reason: str) -> None:
         """An artifact failed verification (kind: checksum, signature, sha256sums, ...)."""
         self._failures.appendleft({
             "time": time.time(), "artifact": excerpt(artifact, _REASON_CHARACTERS),
             "kind": excerpt(kind, 40), "reason": excerpt(reason, _REASON_CHARACTERS)})
-
-    def requested(self, kind: str, name: str) -> None:
-        """A client was served an artifact of kind (provider, module) named name."""
-        self._requested[kind].add(name)
 
     def snapshot(self) -> dict[str, Any]:
         """What this process recorded, JSON-able (the form merge_snapshots reads)."""
@@ -118,6 +131,8 @@ class Activity:
             "integrity_failures": list(self._failures),
             "requested": {kind: counts.top(SHARED_NAMES)
                           for kind, counts in self._requested.items()},
+            "recent_pulls": list(self._pulls),
+            "pulls": dict(self._pulled),
         }
 
 
@@ -127,25 +142,30 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     Other keys that hold numbers or {key: number} maps are summed."""
     hosts: dict[str, HostHealth] = {}
     failures: list[dict[str, Any]] = []
+    pulls: list[dict[str, Any]] = []
     requested: dict[str, dict[str, int]] = {kind: {} for kind in REQUEST_KINDS}
     sums: dict[str, Any] = {}
     for snapshot in snapshots:
         for host, health in snapshot.get("hosts", {}).items():
             _merge_host(hosts.setdefault(host, HostHealth()), HostHealth(**health))
         failures.extend(snapshot.get("integrity_failures", ()))
+        pulls.extend(snapshot.get("recent_pulls", ()))
         for kind, counts in snapshot.get("requested", {}).items():
             into = requested.setdefault(kind, {})
             for name, count in counts.items():
                 into[name] = into.get(name, 0) + count
         for key, value in snapshot.items():
-            if key not in ("hosts", "integrity_failures", "requested", "started", "written"):
+            if key not in ("hosts", "integrity_failures", "recent_pulls", "requested",
+                           "started", "written"):
                 sums[key] = _add(sums.get(key), value)
     failures.sort(key=lambda failure: failure["time"], reverse=True)
+    pulls.sort(key=lambda pull: pull["time"], reverse=True)
     return {
         **sums,
         "started": min((s["started"] for s in snapshots), default=None),
         "hosts": hosts,
         "integrity_failures": failures[:RECENT_FAILURES],
+        "recent_pulls": pulls[:RECENT_PULLS],
         "requested": {kind: heapq.nlargest(TOP_NAMES, counts.items(), key=lambda i: (i[1], i[0]))
                       for kind, counts in requested.items()},
     }

@@ -107,14 +107,12 @@ class ModuleRegistry:
         """
         self._filters.require_module(module)
         if await self._archives.stat(layout.module_archive(module, version)) is not None:
-            self._activity.requested("module", str(module))
             return
         if self._offline:
             raise Offline(f"module {module} {version} is not in the cache, and the proxy is "
                           "offline")
         if version not in await self._versions(module, wanted=version):
             raise UnknownVersion(f"module {module} has no version {version}")
-        self._activity.requested("module", str(module))  # one that exists: names stay few
         self._start_fill(module, version)
 
     async def archive(self, module: ModuleAddress, version: str) -> BlobInfo:

@@ -162,14 +162,11 @@ class ProviderMirror:
         stored = await self._stored.stored(provider, version, platform)
         if stored is not None:
             self._metrics.cache_lookups.labels("archive", "hit").inc()
-            self._activity.requested("provider", str(provider))
             await self._packages.note_served(provider, version, platform)
             return stored
         self._metrics.cache_lookups.labels("archive", "miss").inc()
         missed_the_cache()
         filled = await self._fills.archive(provider, version, platform)
-        # Counted once it exists: made-up names cannot crowd out the real ones.
-        self._activity.requested("provider", str(provider))
         await self._packages.note_served(provider, version, platform)
         return filled
 

@@ -122,6 +122,13 @@ class StatusReport:
                                    for failure in failures],
             "top_providers": _top(merged["requested"].get("provider", [])),
             "top_modules": _top(merged["requested"].get("module", [])),
+            # Each file a client got, once (a HEAD and its GET are one): the hit rate that
+            # says what clients saw. Who pulled is named only while the audit log is on.
+            "pulls": _pulls(merged.get("pulls", {})),
+            "recent_pulls": [{**pull, "time": _iso(pull["time"])}
+                             for pull in merged.get("recent_pulls", [])],
+            "clients": _clients(merged.get("recent_pulls", []))
+            if self._config.server.audit_log is not None else None,
         }
 
 
@@ -156,6 +163,24 @@ def _lookups(by_kind: dict[str, dict[str, float]]) -> dict[str, Any]:
     hits = sum(results.get(result, 0) for results in counts.values() for result in _HITS)
     return {"total": total, "hits": hits,
             "hit_rate": round(hits / total, 4) if total else None, "by_kind": counts}
+
+
+def _pulls(counts: dict[str, float]) -> dict[str, Any]:
+    hits, misses = int(counts.get("hit", 0)), int(counts.get("miss", 0))
+    total = hits + misses
+    return {"total": total, "hits": hits, "hit_rate": round(hits / total, 4) if total else None}
+
+
+def _clients(pulls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recent pulls per client, busiest first."""
+    by_client: dict[str, dict[str, Any]] = {}
+    for pull in pulls:  # newest first
+        client = pull.get("client")
+        if client:
+            seen = by_client.setdefault(client, {"client": client, "pulls": 0,
+                                                 "last_pull": _iso(pull["time"])})
+            seen["pulls"] += 1
+    return sorted(by_client.values(), key=lambda seen: (-seen["pulls"], seen["client"]))
 
 
 def _top(counted: list[tuple[str, int]]) -> list[dict[str, Any]]:

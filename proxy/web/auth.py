@@ -31,7 +31,7 @@ TOKEN_BINDING_KEY = web.RequestKey("token_binding", str)
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics", "releases_keys"})
 # Pages for people: a browser cannot send a bearer token, but asks for a user name and
 # password when challenged with Basic; the password is the token.
-BASIC_ROUTES = frozenset({"status_page", "status_json"})
+BASIC_ROUTES = frozenset({"status_page", "status_json", "status_cache", "status_cache_json"})
 # The OCI distribution API: registry clients and pull-through caches log in with a user name
 # and password (the token, as Basic or through the token flow at /v2/token: oci_tokens).
 OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oci_blob",

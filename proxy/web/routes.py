@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from proxy.core.models import (
     parse_module_version,
     parse_version,
 )
+from proxy.protocols.inventory import Inventory
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
@@ -32,8 +34,13 @@ from proxy.verification.packages import SUMS_ID
 from proxy.web.audit_requests import audited
 from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
 from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
+from proxy.web.pulls import counted
 from proxy.web.responses import json_body_response, json_response, send_file
-from proxy.web.status_page import CONTENT_SECURITY_POLICY, render_status_page
+from proxy.web.status_page import (
+    CONTENT_SECURITY_POLICY,
+    render_inventory_page,
+    render_status_page,
+)
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -47,9 +54,11 @@ ARCHIVES_KEY = web.AppKey("archives", BlobStore)
 CONFIG_KEY = web.AppKey("config", Config)
 AUDIT_KEY = web.AppKey("audit_log", AuditLog)
 STATUS_KEY = web.AppKey("status_report", StatusReport)
+INVENTORY_KEY = web.AppKey("inventory", Inventory)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
+_PAGE_NUMBER = re.compile(r"[0-9]{1,6}")  # ASCII digits only
 # What adds one GET (and HEAD) route: path, handler, name, and how its errors are answered.
 RouteAdder = Callable[[str, Handler, str, ErrorShape | None], None]
 # The routes whose answers stream a file: a failure mid-body cuts them off (aborted_responses).
@@ -101,17 +110,43 @@ async def status_json(request: web.Request) -> web.Response:
     return response
 
 
+async def inventory_json(request: web.Request) -> web.Response:
+    """What the cache holds, one page (`q`: a search, `page`: from 1), for scripts."""
+    inventory = request.app.get(INVENTORY_KEY)
+    if inventory is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    response = json_response(await inventory.page(*_inventory_query(request)))
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+async def inventory_page(request: web.Request) -> web.Response:
+    """What the cache holds, as a page for people: searched and paged on the server."""
+    inventory = request.app.get(INVENTORY_KEY)
+    if inventory is None:
+        return json_response({"errors": ["still starting"]}, status=503)
+    return _page(render_inventory_page(await inventory.page(*_inventory_query(request))))
+
+
+def _inventory_query(request: web.Request) -> tuple[str, int]:
+    number = request.query.get("page", "1")
+    return request.query.get("q", ""), int(number) if _PAGE_NUMBER.fullmatch(number) else 1
+
+
+def _page(html: str) -> web.Response:
+    response = web.Response(text=html, content_type="text/html", charset="utf-8")
+    response.headers.update({"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                             "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                             "Referrer-Policy": "no-referrer"})
+    return response
+
+
 async def status_page(request: web.Request) -> web.Response:
     """The status document as a page for people."""
     report = request.app.get(STATUS_KEY)
     if report is None:
         return json_response({"errors": ["still starting"]}, status=503)
-    response = web.Response(text=render_status_page(await report.document()),
-                            content_type="text/html", charset="utf-8")
-    response.headers.update({"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
-                             "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-                             "Referrer-Policy": "no-referrer"})
-    return response
+    return _page(render_status_page(await report.document()))
 
 
 async def mirror_file(request: web.Request) -> web.StreamResponse:
@@ -305,13 +340,16 @@ def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
     app[BODIES_KEY] = Derived(_HELD_BODIES)
 
     def get(path: str, handler: Handler, name: str, shape: ErrorShape | None = None) -> None:
-        app.router.add_get(path, guard(name, audited(name, handler, audit), shape), name=name)
+        app.router.add_get(path, guard(name, counted(name, audited(name, handler, audit)),
+                                       shape), name=name)
 
     get("/healthz", healthz, "healthz")
     get("/readyz", readyz, "readyz")
     get("/metrics", metrics, "metrics")
     get("/", status_page, "status_page")
     get("/status.json", status_json, "status_json")
+    get("/status/cache", inventory_page, "status_cache")
+    get("/status/cache.json", inventory_json, "status_cache_json")
     get("/.well-known/terraform.json", discovery, "discovery")
     get(MIRROR_PREFIX + "{hostname}/{namespace}/{type}/{name}", mirror_file, "mirror")
     provider = PROVIDERS_PREFIX + "{hostname}/{namespace}/{type}"

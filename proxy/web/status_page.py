@@ -1,18 +1,20 @@
-"""The status page at `/`: the status document (proxy.protocols.status) as HTML, rendered
-here, with inline CSS only (no script, no external asset: it works offline). Every value
-that goes into the markup is escaped."""
+"""The status page at `/` (the status document, proxy.protocols.status) and the inventory at
+`/status/cache` (what the cache holds, proxy.protocols.inventory) as HTML, rendered here,
+with inline CSS only (no script, no external asset: they work offline; the inventory's search
+is a plain GET form). Every value that goes into the markup is escaped."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
+from urllib.parse import urlencode
 
 # Reloads itself: an operator can leave it open.
 REFRESH_SECONDS = 15
 # Nothing but the inline styles may load or run, whatever a value holds.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; "
-                           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+                           "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 
 _STYLE = """
 body{font:15px/1.45 system-ui,sans-serif;margin:0;background:#f4f6f8;color:#1d2733}
@@ -37,7 +39,16 @@ padding:10px 16px}
 .bad{color:#b00020;font-weight:600}.ok{color:#1b7f3b}
 .muted{color:#6b7785}
 #integrity td:first-child,#upstreams td:nth-child(2),#upstreams td:nth-child(3){white-space:nowrap}
+form{margin:0 0 10px}input[type=search]{width:24em;padding:4px 6px}
+nav a{margin-right:12px}
 """
+
+
+def _head(title: str, refresh: bool) -> str:
+    return "".join((
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">' if refresh else "",
+        f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>"))
 
 
 def render_status_page(document: dict[str, Any]) -> str:
@@ -45,19 +56,20 @@ def render_status_page(document: dict[str, Any]) -> str:
     mode = str(document["mode"])
     cache = document["cache"]
     lookups = document["lookups"]
+    pulls = document.get("pulls") or {"total": 0, "hits": 0, "hit_rate": None}
+    clients = document.get("clients")
     return "".join((
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
-        f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">',
-        "<title>tf-registry-proxy status</title>",
-        f"<style>{_STYLE}</style></head><body>",
+        _head("tf-registry-proxy status", refresh=True),
         "<header><h1>tf-registry-proxy ", _e(document["version"]),
         f' <span class="mode {"offline" if mode == "offline" else "online"}" id="mode">',
         _e(mode), "</span></h1>",
         "<p>", _e(document["processes"]), " worker process(es) of this instance, counting "
         "since ", _e(document["counting_since"]), "; generated ", _e(document["generated_at"]),
         ". With several replicas, each shows its own view. "
-        '<a style="color:#fff" href="status.json">status.json</a></p></header><main>',
-        _cards(cache, lookups, document["fills_in_flight"]),
+        '<a style="color:#fff" href="status.json">status.json</a> · '
+        '<a style="color:#fff" href="status/cache" id="inventory-link">what is cached</a>'
+        "</p></header><main>",
+        _cards(cache, pulls, lookups, document["fills_in_flight"]),
         _upstreams(document["upstreams"], mode),
         _section("Recent integrity failures", "integrity",
                  ("Time", "Artifact", "Kind", "Reason"),
@@ -70,6 +82,11 @@ def render_status_page(document: dict[str, Any]) -> str:
         _section("Most requested modules", "top-modules", ("Module", "Requests"),
                  ((m["name"], m["requests"]) for m in document["top_modules"]),
                  "No module served yet."),
+        _recent_pulls(document.get("recent_pulls", []), clients is not None),
+        "" if clients is None else _section(
+            "Pulls per client (recent)", "clients", ("Client", "Pulls", "Last pull"),
+            ((c["client"], c["pulls"], c["last_pull"]) for c in clients),
+            "No pull recorded yet."),
         "</main></body></html>",
     ))
 
@@ -79,12 +96,58 @@ def _e(value: object) -> str:
     return escape("—" if value is None else str(value), quote=True)
 
 
-def _cards(cache: dict[str, Any], lookups: dict[str, Any], fills: int) -> str:
+def _recent_pulls(pulls: list[dict[str, Any]], named: bool) -> str:
+    """Each file a client got (a HEAD and its GET once), newest first; who, when named."""
+    columns = ("Time", "Kind", "Artifact", "Cache", *(("Client",) if named else ()))
+    rows = ((p["time"], p["kind"], p["artifact"], p["cache"],
+             *((p.get("client"),) if named else ())) for p in pulls)
+    note = "" if named else ('<p class="muted">Who pulled what is shown while the audit '
+                             "log (server.audit_log) is on.</p>")
+    return _section("Recent pulls", "recent-pulls", columns, rows,
+                    "No package, module or CLI archive served yet.", note)
+
+
+def render_inventory_page(inventory: dict[str, Any]) -> str:
+    """The page of the cache's contents for an inventory page (Inventory.page)."""
+    totals = inventory["totals"]
+    query, number, pages = inventory["query"], inventory["page"], inventory["pages"]
+    summary = ", ".join(f"{totals[kind]['versions']} {label} ({_size(totals[kind]['bytes'])})"
+                        for kind, label in (("provider", "provider versions"),
+                                            ("module", "module versions"),
+                                            ("cli", "CLI releases")))
+    rows = ((e["kind"], e["address"], e["version"], ", ".join(e["platforms"]) or "—",
+             _size(e["bytes"]), e["last_used"],
+             "" if e["recorded"] else "no record: fetched again when asked for")
+            for e in inventory["entries"])
+
+    def link(to: int, text: str) -> str:
+        target = urlencode({"q": query, "page": to} if query else {"page": to})
+        return f'<a href="?{_e(target)}" id="{_e(text.lower())}">{_e(text)}</a>'
+
+    return "".join((
+        _head("tf-registry-proxy cache", refresh=False),
+        "<header><h1>What the cache holds</h1><p>", _e(summary),
+        ' · <a style="color:#fff" href="../">status</a> · '
+        '<a style="color:#fff" href="cache.json">cache.json</a></p></header><main>',
+        '<form method="get" action=""><input type="search" name="q" id="q" value="',
+        _e(query), '" placeholder="address, version or platform, e.g. hashicorp/aws">',
+        ' <button type="submit">Search</button></form>',
+        _section(f"{inventory['matching']} matching, page {number} of {pages}", "held",
+                 ("Kind", "Address", "Version", "Platforms", "Size", "Last use", ""), rows,
+                 "Nothing held matches." if query else "The cache holds nothing yet."),
+        "<nav>", link(number - 1, "Previous") if number > 1 else "",
+        link(number + 1, "Next") if number < pages else "", "</nav>",
+        "</main></body></html>",
+    ))
+
+
+def _cards(cache: dict[str, Any], pulls: dict[str, Any], lookups: dict[str, Any],
+           fills: int) -> str:
     limit = cache["max_bytes"]
     used = f"{_size(cache['bytes'])} of {_size(limit)}" if limit else \
         f"{_size(cache['bytes'])} (no limit)"
     percent = min(100.0, 100 * float(cache["used_fraction"] or 0))
-    rate = lookups["hit_rate"]
+    rate = pulls["hit_rate"]
     store = cache.get("store") or {}
     outage = "" if store.get("reachable", True) else "".join((
         '<p class="bad" id="store-down">The object store is unreachable: hot copies are '
@@ -97,8 +160,9 @@ def _cards(cache: dict[str, Any], lookups: dict[str, Any], fills: int) -> str:
         f'<div class="bar"><i style="width:{percent:.1f}%"></i></div></div>' if limit else
         "</div>",
         '<div class="card" id="hit-rate">Hit rate<b>',
-        _e("—" if rate is None else f"{100 * rate:.1f}%"), "</b>", _e(lookups["hits"]),
-        " of ", _e(lookups["total"]), " lookups</div>",
+        _e("—" if rate is None else f"{100 * rate:.1f}%"), "</b>", _e(pulls["hits"]),
+        " of ", _e(pulls["total"]), " files from the cache (", _e(lookups["total"]),
+        " lookups in all)</div>",
         '<div class="card" id="fills">Fills in flight<b>', _e(fills), "</b>downloads from "
         "upstream under way</div></div>",
     ))
