@@ -352,6 +352,16 @@ def test_client_config_registry_mode() -> None:
                 f'    "modules.v1" = "https://127.0.0.1:8443/modules/{host}/"') in text
 
 
+def test_client_config_says_what_each_mode_writes_into_lock_files() -> None:
+    config = load_config(None, environ={})
+    mirror = render_client_config(config, None, "mirror")
+    assert "Incomplete lock file information" in mirror
+    assert "use `client-config --mode registry` instead" in mirror
+    registry = render_client_config(config, None, "registry")
+    assert "zh: hashes of every platform" in registry and "lock files to commit" in registry
+    assert "--mode registry" in render_client_config(config, None, "oci")
+
+
 def oci_mirror_of(parsed: dict[str, Any]) -> dict[str, Any]:
     """The one oci_mirror block, after checking it is the only installation method."""
     (installation,) = parsed["provider_installation"]

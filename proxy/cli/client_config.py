@@ -21,6 +21,26 @@ class ClientConfigError(ValueError):
     """The configuration cannot be expressed in the requested mode."""
 
 
+# What each mode writes into .terraform.lock.hcl: the choice, said where it is made.
+_LOCK_FILES = {
+    "mirror": [
+        "# Mode: mirror (network_mirror). Lock files get the h1: hash of this machine's",
+        "# platform only (Terraform warns \"Incomplete lock file information\"). For a lock",
+        "# file to commit, with the zh: hashes of every platform as a direct install writes",
+        "# them, use `client-config --mode registry` instead.",
+    ],
+    "registry": [
+        "# Mode: registry (providers.v1 through the proxy). Terraform checks the signatures",
+        "# itself and writes the zh: hashes of every platform, as a direct install does:",
+        "# lock files to commit.",
+    ],
+    "oci": [
+        "# Mode: oci (oci_mirror). Lock files get the h1: hash of this machine's platform",
+        "# only; `--mode registry` writes the zh: hashes of every platform.",
+    ],
+}
+
+
 def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirror") -> str:
     """A ready-to-use CLI config. "mirror": every provider installs through the proxy's
     network mirror, and a `host` block per upstream host sends registry modules through the
@@ -47,6 +67,7 @@ def render_client_config(config: Config, ca_file: Path | None, mode: str = "mirr
             f"#   cat /etc/ssl/certs/ca-certificates.crt {ca_file} > ~/tfproxy-ca.pem",
             "#   export SSL_CERT_FILE=~/tfproxy-ca.pem",
         ]
+    lines += _LOCK_FILES[mode]
     if config.server.public_url is None and config.server.host in ("0.0.0.0", "::", ""):
         lines += [
             "# WARNING: the proxy listens on every interface but server.public_url is not set,",
