@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -14,7 +15,7 @@ from proxy.config.settings import CacheConfig
 from proxy.core.activity import Activity
 from proxy.core.activity_share import SnapshotShare
 from proxy.core.audit import AuditLog
-from proxy.core.errors import ProxyError
+from proxy.core.errors import ProxyError, UpstreamError
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
 from proxy.protocols.inventory import Inventory
@@ -42,9 +43,10 @@ from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.releases import ReleaseKeyError, load_release_keys
 from proxy.verification.stored_packages import StoredPackages
-from proxy.web.auth import SIGNER_KEY, load_signing_key
+from proxy.web.auth import OIDC_KEY, SIGNER_KEY, load_signing_key
 from proxy.web.middleware import response_prepared, route_guard
 from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes, oci_error
+from proxy.web.oidc import MAX_JWKS_BYTES, OidcVerifier
 from proxy.web.pulls import PULLS_KEY, PullCounter
 from proxy.web.release_routes import RELEASES_KEY, add_release_routes
 from proxy.web.routes import (
@@ -146,10 +148,14 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     inventory = Inventory(storage)
     opened.push_async_callback(inventory.close)
     app[INVENTORY_KEY] = inventory
-    egress = EgressPolicy.from_config(config.upstream, config.releases.urls)
+    # The OIDC providers' key URLs are configured upstreams too (their hosts trusted).
+    jwks_urls = [p.jwks_url for p in config.auth.oidc if p.jwks_url is not None]
+    egress = EgressPolicy.from_config(config.upstream, [*config.releases.urls, *jwks_urls])
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)
     http = UpstreamHTTP(session, config.upstream, metrics, egress, activity)
+    if config.auth.oidc:
+        app[OIDC_KEY] = OidcVerifier(config.auth.oidc, lambda url: fetch_small(http, url))
     # One view of what is served (hosts, then filters), shared by every service.
     filters = Filters(config.filters, config.upstream)
     discovery = Discovery(http, config.upstream, filters)
@@ -191,6 +197,15 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
         cache, release_keys, config.upstream, metrics, activity, audit)
     opened.push_async_callback(releases.close)
     app[RELEASES_KEY] = releases
+
+
+async def fetch_small(http: UpstreamHTTP, url: str) -> bytes:
+    """A small document (an OIDC provider's keys) through the egress policy; UpstreamError
+    unless it answers 200."""
+    fetched = await http.get(url, urlsplit(url).hostname or "", MAX_JWKS_BYTES)
+    if fetched.status != 200:
+        raise UpstreamError(f"{urlsplit(url).hostname} answered {fetched.status} for {url}")
+    return fetched.body
 
 
 async def _thread_pools(_app: web.Application) -> AsyncIterator[None]:

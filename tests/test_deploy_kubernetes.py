@@ -127,8 +127,9 @@ def mounted_state(tmp_path: Path, pod_spec: dict[str, Any]) -> dict[str, Path]:
             for item in volume["secret"]["items"]:
                 (here / item["path"]).parent.mkdir(parents=True, exist_ok=True)
                 (here / item["path"]).write_bytes(secret[item["key"]])
-        elif "configMap" in volume:
-            (here / "config.toml").write_text(config_toml())
+        elif "configMap" in volume:  # every key of it, as the kubelet writes them
+            for key, text in find("ConfigMap", volume["configMap"]["name"])["data"].items():
+                (here / key).write_text(text)
         mounts[mount["mountPath"]] = here
     return mounts
 
@@ -332,14 +333,23 @@ def test_the_runner_uses_the_sidecar_as_client_config_prints_it(tmp_path: Path) 
     def hcl(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.strip()
                 and not line.lstrip().startswith("#")]
-    assert hcl(runner_files["terraform.tfrc"]) == hcl(render_client_config(config, None))
-    assert "https://localhost:8443/mirror/" in runner_files["terraform.tfrc"]
+    # Registry mode, without the credentials blocks: the runner's identity is its own token.
+    printed = render_client_config(config, None, "registry")
+    printed = re.sub(r'credentials "[^"]+" \{\n[^}]*\}\n', "", printed)
+    assert hcl(runner_files["terraform.tfrc"]) == hcl(printed)
+    assert config.auth.oidc and config.auth.oidc[0].audiences == ("tf-registry-proxy",)
 
     (runner,) = spec["containers"]
     assert env_of(runner)["TF_CLI_CONFIG_FILE"] == "/etc/tf-ci-runner/terraform.tfrc"
     ca_volumes = [v for v in spec["volumes"] if v["name"] == "proxy-ca"]
     assert ca_volumes[0]["secret"]["items"] == [{"key": "ca.pem", "path": "ca.pem"}]
     assert "/etc/tf-registry-proxy-ca/ca.pem" in runner["args"][0]
+    # Its identity: the projected service-account token, for the proxy's audience.
+    [identity] = [v for v in spec["volumes"] if v["name"] == "proxy-identity"]
+    [source] = identity["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] in config.auth.oidc[0].audiences
+    assert 'TF_TOKEN_registry_terraform_io="$(cat /var/run/secrets/tf-registry-proxy/' \
+        f'{source["serviceAccountToken"]["path"]})"' in runner["args"][0]
 
 
 # --- the IAM policy and the README --------------------------------------------------------

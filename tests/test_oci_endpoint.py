@@ -19,7 +19,7 @@ from proxy.core.executors import serving
 from proxy.core.metrics import Metrics
 from proxy.store import layout
 from proxy.store.disk import open_disk_storage
-from proxy.web.oci_tokens import issue_token, issued_token_name
+from proxy.web.oci_tokens import issue_token, issued_token
 from proxy.web.url_signing import UrlSigner
 from tests.conftest import AppClient
 from tests.support.audit import eventually
@@ -288,12 +288,13 @@ async def test_an_issued_token_opens_only_v2_and_only_while_its_token_is_configu
 def test_an_issued_token_expires() -> None:
     signer = UrlSigner(b"k" * 32, ttl=-120)  # every token it issues has expired
     issued, _lifetime = issue_token(signer, "ci", signer.binding(b"secret"))
-    assert issued_token_name(signer, issued, frozenset({signer.binding(b"secret")})) is None
+    assert issued_token(signer, issued, frozenset({signer.binding(b"secret")})) is None
     fresh = UrlSigner(b"k" * 32, ttl=600)
     issued, lifetime = issue_token(fresh, "ci", fresh.binding(b"secret"))
     assert lifetime > 0
-    assert issued_token_name(fresh, issued, frozenset({fresh.binding(b"secret")})) == "ci"
-    assert issued_token_name(fresh, issued, frozenset({fresh.binding(b"other")})) is None
+    assert issued_token(fresh, issued, frozenset({fresh.binding(b"secret")})) == (
+        fresh.binding(b"secret"), "ci")
+    assert issued_token(fresh, issued, frozenset({fresh.binding(b"other")})) is None
 
 
 async def test_without_auth_v2_answers_anonymously(client: TestClient) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.config.auth_parser import parse_auth
 from proxy.config.settings import (
     ENV_KEYS,
     KNOWN_SERVICES,
-    AuthConfig,
     CacheConfig,
     Config,
     ConfigError,
@@ -37,7 +37,6 @@ from proxy.core.redaction import excerpt
 
 # S3's rules for a bucket name: 3-63 lowercase letters, digits, dots and hyphens.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def parse_tables(raw: dict[str, Any], problems: list[str]) -> Config:
@@ -53,17 +52,17 @@ class _Parser:
         self.problems = list(problems)
 
     def config(self) -> Config:
-        self._unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters",
+        self.unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters",
                                      "auth", "releases"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
-        self._unknown(cache_table, "cache.", (*ENV_KEYS["cache"], "s3"))
+        self.unknown(cache_table, "cache.", (*ENV_KEYS["cache"], "s3"))
         max_size = None
         if cache_table.get("max_size") not in (None, "", 0, "0"):
             max_size = self._size("cache.max_size", cache_table, "max_size", 0) or None
-        cache = CacheConfig(dir=self._path("cache.dir", cache_table, "dir")
+        cache = CacheConfig(dir=self.path("cache.dir", cache_table, "dir")
                             or default_cache_dir(), max_size=max_size,
-                            lease_seconds=self._number("cache.lease_seconds", cache_table,
+                            lease_seconds=self.number("cache.lease_seconds", cache_table,
                                                        "lease_seconds",
                                                        CacheConfig.lease_seconds),
                             s3=self._s3(self._table(cache_table, "s3")))
@@ -74,7 +73,7 @@ class _Parser:
         upstream = self._upstream(self._table(self.raw, "upstream"))
         modules = self._modules(self._table(self.raw, "modules"), upstream)
         filters = self._filters(self._table(self.raw, "filters"))
-        auth = self._auth(self._table(self.raw, "auth"))
+        auth = parse_auth(self._table(self.raw, "auth"), self)
         releases = self._releases(self._table(self.raw, "releases"))
         if self.problems:
             raise ConfigError(self.problems)
@@ -82,7 +81,7 @@ class _Parser:
                       filters=filters, auth=auth, releases=releases)
 
     def _releases(self, table: dict[str, Any]) -> ReleasesConfig:
-        self._unknown(table, "releases.", ENV_KEYS["releases"])
+        self.unknown(table, "releases.", ENV_KEYS["releases"])
         defaults = ReleasesConfig()
 
         def url(key: str, directory: bool) -> str:
@@ -95,7 +94,7 @@ class _Parser:
             return value + "/" if directory and value and not value.endswith("/") else value
 
         def keys(key: str) -> Path | None:
-            path = self._path(f"releases.{key}", table, key)
+            path = self.path(f"releases.{key}", table, key)
             if path is not None and not path.is_file():
                 self.problems.append(f"releases.{key}: {str(path)!r} is not a readable file "
                                      "of armored OpenPGP public keys")
@@ -107,7 +106,7 @@ class _Parser:
             terraform_keys=keys("terraform_keys"), opentofu_keys=keys("opentofu_keys"))
 
     def _s3(self, table: dict[str, Any]) -> S3Config | None:
-        self._unknown(table, "cache.s3.", ENV_KEYS["cache.s3"])
+        self.unknown(table, "cache.s3.", ENV_KEYS["cache.s3"])
         bucket = self._str("cache.s3.bucket", table, "bucket")
         if not bucket:
             if any(table.get(key) for key in table):
@@ -145,58 +144,9 @@ class _Parser:
         return S3Config(bucket=bucket, endpoint_url=endpoint, region=region, prefix=prefix,
                         serve=serve)
 
-    def _auth(self, table: dict[str, Any]) -> AuthConfig:
-        self._unknown(table, "auth.", ("tokens", "tokens_file", "signed_url_ttl"))
-        named = self._named_tokens(table.get("tokens", []))
-        tokens_file = self._path("auth.tokens_file", table, "tokens_file")
-        if tokens_file is not None:
-            try:
-                lines = tokens_file.read_text().splitlines()
-            except OSError as exc:
-                self.problems.append(f"auth.tokens_file: cannot read {str(tokens_file)!r}: "
-                                     f"{exc.strerror}")
-                lines = []
-            # "TOKEN" or "NAME TOKEN" (a token has no spaces).
-            for line in lines:
-                words = line.split()
-                if words and not words[0].startswith("#"):
-                    named.append((words[0], words[-1]) if len(words) == 2 else ("", line.strip()))
-        tokens = [token for _name, token in named]
-        names = tuple(name for name, _token in named)
-        for name in names:
-            if name and not _TOKEN_NAME.fullmatch(name):
-                self.problems.append(f"auth.tokens: token name {name[:40]!r}: expected "
-                                     "letters, digits, '.', '_' or '-' (at most 64)")
-                break
-        for token in tokens:
-            if len(token) < 16 or not token.isprintable() or " " in token:
-                self.problems.append("auth.tokens: every token must be at least 16 printable "
-                                     "characters without spaces")
-                break
-        ttl = self._number("auth.signed_url_ttl", table, "signed_url_ttl",
-                           AuthConfig().signed_url_ttl)
-        return AuthConfig(tokens=tuple(Secret(t) for t in tokens), signed_url_ttl=ttl,
-                          token_names=names)
-
-    def _named_tokens(self, raw: object) -> list[tuple[str, str]]:
-        """auth.tokens: strings, or {name = "...", token = "..."} tables; (name, token)
-        pairs, "" for no name."""
-        named: list[tuple[str, str]] = []
-        for entry in raw if isinstance(raw, list) else [None]:
-            if isinstance(entry, str):
-                named.append(("", entry))
-            elif isinstance(entry, dict) and set(entry) == {"name", "token"} \
-                    and all(isinstance(v, str) for v in entry.values()):
-                named.append((entry["name"], entry["token"]))
-            else:
-                self.problems.append('auth.tokens: expected a list of tokens, each a string '
-                                     'or { name = "...", token = "..." }')
-                return []
-        return named
-
     def _filters(self, table: dict[str, Any]) -> FiltersConfig:
         keys = ("providers", "exclude_providers", "modules", "exclude_modules", "platforms")
-        self._unknown(table, "filters.", keys)
+        self.unknown(table, "filters.", keys)
         lists: dict[str, tuple[str, ...]] = {}
         for key in keys:
             value = table.get(key, [])
@@ -207,7 +157,7 @@ class _Parser:
         return FiltersConfig(**lists)
 
     def _modules(self, table: dict[str, Any], upstream: UpstreamConfig) -> ModulesConfig:
-        self._unknown(table, "modules.", ENV_KEYS["modules"])
+        self.unknown(table, "modules.", ENV_KEYS["modules"])
         defaults = ModulesConfig()
         default_host = defaults.default_host
         raw_host = self._str("modules.default_host", table, "default_host")
@@ -222,11 +172,11 @@ class _Parser:
             default_host=default_host,
             max_archive_size=self._size("modules.max_archive_size", table, "max_archive_size",
                                         defaults.max_archive_size),
-            git_timeout=self._number("modules.git_timeout", table, "git_timeout",
+            git_timeout=self.number("modules.git_timeout", table, "git_timeout",
                                      defaults.git_timeout))
 
     def _server(self, table: dict[str, Any]) -> ServerConfig:
-        self._unknown(table, "server.", ENV_KEYS["server"])
+        self.unknown(table, "server.", ENV_KEYS["server"])
         defaults = ServerConfig()
         host, port = defaults.host, defaults.port
         listen = table.get("listen")
@@ -237,8 +187,8 @@ class _Parser:
                                      f"from 1 to 65535, got {listen!r}")
             else:
                 host, port = parsed
-        cert = self._path("server.tls_cert", table, "tls_cert")
-        key = self._path("server.tls_key", table, "tls_key")
+        cert = self.path("server.tls_cert", table, "tls_cert")
+        key = self.path("server.tls_key", table, "tls_key")
         if (cert is None) != (key is None):
             self.problems.append("server.tls_cert and server.tls_key: set both or neither")
         for name, path in (("server.tls_cert", cert), ("server.tls_key", key)):
@@ -277,12 +227,12 @@ class _Parser:
             self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
                                  f"{event_loop!r}")
             event_loop = "uvloop"
-        shutdown_timeout = self._number("server.shutdown_timeout", table, "shutdown_timeout",
+        shutdown_timeout = self.number("server.shutdown_timeout", table, "shutdown_timeout",
                                         defaults.shutdown_timeout)
-        state_dir = self._path("server.state_dir", table, "state_dir") or default_state_dir()
+        state_dir = self.path("server.state_dir", table, "state_dir") or default_state_dir()
 
         def seconds(key: str) -> float:
-            return self._number(f"server.{key}", table, key, getattr(defaults, key))
+            return self.number(f"server.{key}", table, key, getattr(defaults, key))
 
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
@@ -298,7 +248,7 @@ class _Parser:
                                                         defaults.max_connections))
 
     def _upstream(self, table: dict[str, Any]) -> UpstreamConfig:
-        self._unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
+        self.unknown(table, "upstream.", ("allowed_hosts", "hosts", "allowed_networks",
                                            "internal_zones",
                                            *ENV_KEYS["upstream"]))
         networks = []
@@ -319,7 +269,7 @@ class _Parser:
         max_fills = self._whole("upstream.max_concurrent_fills", table,
                                 "max_concurrent_fills", 8)
         defaults = UpstreamConfig()
-        ca_bundle = self._path("upstream.ca_bundle", table, "ca_bundle")
+        ca_bundle = self.path("upstream.ca_bundle", table, "ca_bundle")
         if ca_bundle is not None:
             if not ca_bundle.is_file():
                 self.problems.append(f"upstream.ca_bundle: no such file {str(ca_bundle)!r}")
@@ -340,7 +290,7 @@ class _Parser:
                                             for h in raw_allowed) if h)
         hosts = self._hosts(table.get("hosts", {}))
         def seconds(key: str) -> float:
-            return self._number(f"upstream.{key}", table, key, getattr(defaults, key))
+            return self.number(f"upstream.{key}", table, key, getattr(defaults, key))
 
         max_size = self._size("upstream.max_archive_size", table, "max_archive_size",
                               defaults.max_archive_size)
@@ -379,7 +329,7 @@ class _Parser:
             if not isinstance(entry, dict):
                 self.problems.append(f"{where}: expected a table")
                 continue
-            self._unknown(entry, f"{where}.", ("services", "token"))
+            self.unknown(entry, f"{where}.", ("services", "token"))
             services = entry.get("services", {})
             if not isinstance(services, dict):
                 self.problems.append(f"{where}.services: expected a table of URLs")
@@ -414,7 +364,7 @@ class _Parser:
             return {}
         return value
 
-    def _unknown(self, table: dict[str, Any], prefix: str, known: tuple[str, ...]) -> None:
+    def unknown(self, table: dict[str, Any], prefix: str, known: tuple[str, ...]) -> None:
         for key in table:
             if key not in known:
                 near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
@@ -430,7 +380,7 @@ class _Parser:
             return None
         return value
 
-    def _path(self, where: str, table: dict[str, Any], key: str) -> Path | None:
+    def path(self, where: str, table: dict[str, Any], key: str) -> Path | None:
         value = self._str(where, table, key)
         return Path(value).expanduser() if value else None
 
@@ -441,7 +391,7 @@ class _Parser:
             self.problems.append(f"{where}: {exc.message}")
             return None
 
-    def _number(self, where: str, table: dict[str, Any], key: str, default: float) -> float:
+    def number(self, where: str, table: dict[str, Any], key: str, default: float) -> float:
         value = table.get(key, default)
         try:
             number = float(value)

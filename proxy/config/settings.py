@@ -197,14 +197,44 @@ class ModulesConfig:
 
 
 @dataclass(frozen=True)
+class OidcRule:
+    """Which verified tokens of a provider it admits (every claim matches its glob), and what
+    they may pull (proxy.core.access)."""
+
+    claims: Mapping[str, str]
+    allow: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OidcProvider:
+    """An OIDC issuer whose tokens identify clients (`[[auth.oidc]]`): CI jobs, pods."""
+
+    name: str  # shown in audit lines and metrics
+    issuer: str
+    audiences: tuple[str, ...]
+    jwks_file: Path | None = None  # the issuer's keys: a file (re-read when it changes)...
+    jwks_url: str | None = None  # ... or a URL (fetched through the egress policy, kept)
+    leeway: float = 60.0  # seconds of clock skew allowed on exp, nbf and iat
+    rules: tuple[OidcRule, ...] = ()
+
+
+@dataclass(frozen=True)
 class AuthConfig:
-    """Optional client authentication: bearer tokens for metadata, signed archive URLs."""
+    """Optional client authentication: bearer tokens (static, or OIDC identities) for
+    metadata, signed archive URLs."""
 
     tokens: tuple[Secret, ...] = ()
     signed_url_ttl: float = 3600.0
     # What logs call each token (by position; "token-N" for one given no name): the audit
     # log names who asked, never the token.
     token_names: tuple[str, ...] = ()
+    # What each token may pull (by position; None: everything): allow patterns.
+    token_allow: tuple[tuple[str, ...] | None, ...] = ()
+    oidc: tuple[OidcProvider, ...] = ()
+
+    def allow_of(self, index: int) -> tuple[str, ...] | None:
+        """What the token at index may pull (None: everything)."""
+        return self.token_allow[index] if index < len(self.token_allow) else None
 
     def name_of(self, index: int) -> str:
         """The name of the token at index in tokens."""
@@ -215,7 +245,7 @@ class AuthConfig:
     @property
     def enabled(self) -> bool:
         """Whether clients must authenticate."""
-        return bool(self.tokens)
+        return bool(self.tokens) or bool(self.oidc)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class Activity:
         self._requested = {kind: CappedCounts() for kind in REQUEST_KINDS}
         self._pulls: deque[dict[str, Any]] = deque(maxlen=RECENT_PULLS)
         self._pulled = {"hit": 0, "miss": 0}
+        self._identities = CappedCounts()
 
     def _host(self, host: str) -> HostHealth | None:
         health = self._hosts.get(host)
@@ -105,12 +106,15 @@ class Activity:
             health.stale_answers += 1
 
     def pulled(self, kind: str, name: str, version: str, cache: str,
-               client: str | None) -> None:
+               client: str | None, identity: str | None = None) -> None:
         """An artifact (kind: provider, module, cli) was sent to a client, from the cache
         (cache "hit") or after waiting for upstream ("miss"); client: who asked, when the
-        operator records that (the audit log is on), else None."""
+        operator records that (the audit log is on), else None; identity: the name of the
+        token or OIDC identity it authenticated as, if any."""
         if kind in self._requested:
             self._requested[kind].add(name)
+        if identity:
+            self._identities.add(identity)
         outcome = "miss" if cache == "miss" else "hit"
         self._pulled[outcome] += 1
         self._pulls.appendleft({
@@ -133,6 +137,7 @@ class Activity:
                           for kind, counts in self._requested.items()},
             "recent_pulls": list(self._pulls),
             "pulls": dict(self._pulled),
+            "identities": self._identities.top(SHARED_NAMES),
         }
 
 
@@ -143,6 +148,7 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     hosts: dict[str, HostHealth] = {}
     failures: list[dict[str, Any]] = []
     pulls: list[dict[str, Any]] = []
+    identities: dict[str, int] = {}
     requested: dict[str, dict[str, int]] = {kind: {} for kind in REQUEST_KINDS}
     sums: dict[str, Any] = {}
     for snapshot in snapshots:
@@ -150,13 +156,15 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             _merge_host(hosts.setdefault(host, HostHealth()), HostHealth(**health))
         failures.extend(snapshot.get("integrity_failures", ()))
         pulls.extend(snapshot.get("recent_pulls", ()))
+        for name, count in snapshot.get("identities", {}).items():
+            identities[name] = identities.get(name, 0) + count
         for kind, counts in snapshot.get("requested", {}).items():
             into = requested.setdefault(kind, {})
             for name, count in counts.items():
                 into[name] = into.get(name, 0) + count
         for key, value in snapshot.items():
-            if key not in ("hosts", "integrity_failures", "recent_pulls", "requested",
-                           "started", "written"):
+            if key not in ("hosts", "identities", "integrity_failures", "recent_pulls",
+                           "requested", "started", "written"):
                 sums[key] = _add(sums.get(key), value)
     failures.sort(key=lambda failure: failure["time"], reverse=True)
     pulls.sort(key=lambda pull: pull["time"], reverse=True)
@@ -166,6 +174,8 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         "hosts": hosts,
         "integrity_failures": failures[:RECENT_FAILURES],
         "recent_pulls": pulls[:RECENT_PULLS],
+        "identities": heapq.nlargest(TOP_NAMES, identities.items(),
+                                     key=lambda i: (i[1], i[0])),
         "requested": {kind: heapq.nlargest(TOP_NAMES, counts.items(), key=lambda i: (i[1], i[0]))
                       for kind, counts in requested.items()},
     }

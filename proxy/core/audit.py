@@ -17,12 +17,14 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from proxy.core.errors import (
     FilteredOut,
+    Forbidden,
     HostNotServed,
     InsufficientStorage,
     IntegrityError,
@@ -50,6 +52,8 @@ class Requester:
 
     client: str | None = None
     token: str | None = None
+    # An OIDC identity's issuer, subject and the claims its rule matched (never the token).
+    identity: Mapping[str, object] | None = None
 
 
 # The requester of the work under way; a fill started by a request carries its first
@@ -137,7 +141,7 @@ def refusal(exc: ProxyError) -> str:
                           (UpstreamTimeout, "upstream_timeout"),
                           (UpstreamError, "upstream_error"),
                           (InsufficientStorage, "no_space"), (Unavailable, "unavailable"),
-                          (Unauthorized, "unauthorized")):
+                          (Unauthorized, "unauthorized"), (Forbidden, "forbidden")):
         if isinstance(exc, kind):
             return outcome
     return {404: "not_found", 400: "bad_request"}.get(exc.status, "error")
@@ -208,6 +212,7 @@ class AuditLog:
             "time": datetime.now(UTC).isoformat(timespec="milliseconds").replace(
                 "+00:00", "Z"),
             "event": event, "client": who.client, "token": who.token,
+            **({"identity": dict(who.identity)} if who.identity else {}),
             **artifact.fields(), "outcome": outcome}
         for key, value in details.items():
             if value is not None:

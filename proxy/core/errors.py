@@ -49,6 +49,14 @@ class Unauthorized(ProxyError):
               "or TF_TOKEN_<host>); an expired signed archive URL: run init again")
 
 
+class Forbidden(ProxyError):
+    """The client authenticated, but what it asks for is not allowed for its identity."""
+
+    status = 403
+    advice = ("the identity's rules (auth.tokens allow, auth.oidc rules) do not allow it: "
+              "change the rules, or use an identity they allow")
+
+
 class NotFound(ProxyError):
     """The proxy cannot serve this address (unknown host, provider, version or file)."""
 

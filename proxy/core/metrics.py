@@ -23,6 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy import __version__
+from proxy.core.access import METHODS, RESULTS
 from proxy.core.errors import INTEGRITY_KINDS
 from proxy.core.shared_metrics import WorkerProcesses, WorkerRestarts, shared_directory
 
@@ -162,6 +163,13 @@ class Metrics:
             "renewed in time).", "outcome")
         for outcome in ("acquired", "waited", "taken_over", "lost"):
             self.fill_leases.labels(outcome)
+        self.auth_requests = counter(
+            "tfproxy_auth", "Client authentications by method (token, oidc, issued: an OCI "
+            "token from /v2/token, signed_url) and result (ok, missing, invalid, expired, "
+            "forbidden: the identity may not pull what it asked for).", "method", "result")
+        for method in METHODS:
+            for result in RESULTS:
+                self.auth_requests.labels(method, result)
         self.store_operations = counter(
             "tfproxy_store_operations", "Requests to the storage backend by backend, operation "
             "(head, get, put, list, delete, ...) and outcome (ok, absent, conflict, error, "

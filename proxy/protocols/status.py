@@ -129,6 +129,10 @@ class StatusReport:
                              for pull in merged.get("recent_pulls", [])],
             "clients": _clients(merged.get("recent_pulls", []))
             if self._config.server.audit_log is not None else None,
+            # Who authenticated: tokens and OIDC identities by name, with their pulls.
+            "identities": [{"name": name, "pulls": count}
+                           for name, count in merged.get("identities", [])]
+            if self._config.auth.enabled else None,
         }
 
 

@@ -19,7 +19,7 @@ from proxy.core.audit import (
 from proxy.core.errors import IntegrityError, ProxyError
 from proxy.web.access_log import CACHE_RESULT_KEY
 from proxy.web.artifacts import ARTIFACT_ROUTES, Named, named_artifact
-from proxy.web.auth import TOKEN_NAME_KEY
+from proxy.web.auth import IDENTITY_KEY, TOKEN_NAME_KEY
 
 # What a served archive's answer may be: whole, a range, or a redirect to the stored object.
 _SENT = (200, 206, 302)
@@ -35,7 +35,9 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         return named_artifact(route, request.match_info)
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        requester = Requester(request.remote, request.get(TOKEN_NAME_KEY))
+        identity = request.get(IDENTITY_KEY)
+        requester = Requester(request.remote, request.get(TOKEN_NAME_KEY),
+                              None if identity is None else identity.audit_details())
         # Fills this request starts carry it along (the first requester of a fill).
         current = REQUESTER.set(requester)
         facts = ServedFacts()

@@ -1,7 +1,8 @@
 """Optional client authentication. Metadata (mirror and module documents) needs a bearer
-token; archives need a signed, expiring URL (which the metadata hands out) or a token;
-health, readiness, discovery and metrics stay anonymous (clients treat a 401 on discovery as
-fatal)."""
+token (a static token of auth.tokens, or an OIDC token: proxy.web.oidc); archives need a
+signed, expiring URL (which the metadata hands out) or a token; health, readiness, discovery
+and metrics stay anonymous (clients treat a 401 on discovery as fatal). What an identity may
+pull follows its rule (proxy.core.access): anything else is a 403 before it is looked up."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import hmac
 import os
 import secrets
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
 
 from proxy.config.settings import AuthConfig
-from proxy.core.errors import Unauthorized
-from proxy.web.oci_tokens import issued_token_name
+from proxy.core.access import Identity, pull_target
+from proxy.core.errors import Forbidden, Unauthorized
+from proxy.web.artifacts import named_artifact
+from proxy.web.oci_tokens import issued_token
+from proxy.web.oidc import OidcVerifier, TokenRefused, looks_like_jwt
 from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
@@ -26,6 +31,9 @@ SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
 TOKEN_NAME_KEY = web.RequestKey("token_name", str)
 # The binding (UrlSigner.binding) of the token a request authenticated with.
 TOKEN_BINDING_KEY = web.RequestKey("token_binding", str)
+# Who the request authenticated as, and what it may pull (absent: a signed archive URL).
+IDENTITY_KEY = web.RequestKey("identity", Identity)
+OIDC_KEY = web.AppKey("oidc_verifier", OidcVerifier)
 # The release keys are public keys: tenv fetches a key URL without the credentials it sends
 # to the remote (TFENV_HASHICORP_PGP_KEY, TOFUENV_OPENTOFU_PGP_KEY).
 _ANONYMOUS_ROUTES = frozenset({"healthz", "readyz", "discovery", "metrics", "releases_keys"})
@@ -41,7 +49,7 @@ OCI_ROUTES = frozenset({"oci_base", "oci_token", "oci_tags", "oci_manifest", "oc
 RELEASE_ROUTES = frozenset({"releases_keys", "releases_list", "releases_index",
                             "releases_version", "releases_version_index", "releases_file",
                             "releases_tofu_list", "releases_tofudl", "releases_tofu_file"})
-Authenticate = Callable[[web.Request], None]
+Authenticate = Callable[[web.Request], Awaitable[None]]
 _ARCHIVE_SUFFIXES = (".zip", ".tar.gz")
 _KEY_BYTES = 32
 
@@ -95,13 +103,19 @@ def _read_signing_key(path: Path) -> bytes:
     return key
 
 
-def _bearer_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None:
-    """The index of the token the request presents, None if none."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not presented:
-        return None
-    return _index_of(presented.strip().encode(), tokens)
+def _presented(request: web.Request, basic: bool) -> str | None:
+    """The credential the request presents: a bearer token, or (where basic) the password of
+    Basic credentials (any user name); None if none."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    if basic and scheme.lower() == "basic" and value.strip():
+        try:
+            _user, _, given = base64.b64decode(value.strip(), validate=True).partition(b":")
+            return given.decode()
+        except (binascii.Error, ValueError):
+            return None
+    return None
 
 
 def _index_of(given: bytes, tokens: tuple[bytes, ...]) -> int | None:
@@ -110,82 +124,144 @@ def _index_of(given: bytes, tokens: tuple[bytes, ...]) -> int | None:
     return matches.index(True) if True in matches else None
 
 
-def _basic_match(request: web.Request, tokens: tuple[bytes, ...]) -> int | None:
-    """The index of the token given as a Basic password (any user name), None if none."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, encoded = header.partition(" ")
-    if scheme.lower() != "basic" or not encoded:
-        return None
-    try:
-        _user, _, given = base64.b64decode(encoded.strip(), validate=True).partition(b":")
-    except (binascii.Error, ValueError):
-        return None
-    return _index_of(given, tokens)
+def static_identity(config: AuthConfig, index: int) -> Identity:
+    """The identity of the static token at index."""
+    name = config.name_of(index)
+    return Identity(name=name, method="token", rules=f"auth.tokens {name!r}",
+                    allow=config.allow_of(index))
 
 
-def _token_ok(request: web.Request, tokens: tuple[bytes, ...], config: AuthConfig,
-              basic: bool = False) -> bool:
-    """Whether the request presents one of tokens (as a bearer token, or as a Basic password
-    where basic); notes its name on the request."""
-    index = _bearer_match(request, tokens)
-    if index is None and basic:
-        index = _basic_match(request, tokens)
-    if index is None:
-        return False
-    request[TOKEN_NAME_KEY] = config.name_of(index)
-    request[TOKEN_BINDING_KEY] = request.app[SIGNER_KEY].binding(tokens[index])
-    return True
+def _rule_binding(signer: UrlSigner, identity: Identity) -> str:
+    """What an OCI token issued to an OIDC identity carries: a MAC of the rule that admitted
+    it, so that it stops working once that rule changes."""
+    return signer.binding(f"oidc\n{identity.rules}\n{identity.allow}".encode())
 
 
-def _issued_token_ok(request: web.Request, tokens: tuple[bytes, ...]) -> bool:
-    """Whether the request presents a bearer token issued by /v2/token (still valid, for a
-    token still configured); notes the name of the token it was issued for."""
-    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    signer = request.app[SIGNER_KEY]
-    name = issued_token_name(signer, presented.strip(),
-                             frozenset(signer.binding(token) for token in tokens))
-    if name is None:
-        return False
-    if name:
-        request[TOKEN_NAME_KEY] = name
-    return True
+class Authenticator:
+    """Who a request is (IDENTITY_KEY, TOKEN_NAME_KEY), from a static token, an OIDC token
+    (OIDC_KEY), an OCI token issued by /v2/token, or a signed archive URL; and whether that
+    identity may pull what the route names. Counts tfproxy_auth_total{method,result}."""
 
+    def __init__(self, config: AuthConfig, count: Callable[[str, str], None]) -> None:
+        self._config = config
+        self._tokens = tuple(t.value.encode() for t in config.tokens)
+        self._count = count
 
-def route_authentication(config: AuthConfig, route: str) -> Authenticate | None:
-    """The check each request to route must pass (it raises Unauthorized); None where
-    clients need not authenticate: authentication is off, or route is anonymous."""
-    if not config.enabled or route in _ANONYMOUS_ROUTES:
-        return None
-    tokens = tuple(t.value.encode() for t in config.tokens)
-    sums = route == "provider_sums"
-    oci = route in OCI_ROUTES
-    release = route in RELEASE_ROUTES
-    basic = route in BASIC_ROUTES or oci or release
+    def for_route(self, route: str) -> Authenticate | None:
+        """The check each request to route must pass; None where clients need not
+        authenticate: authentication is off, or route is anonymous."""
+        if not self._config.enabled or route in _ANONYMOUS_ROUTES:
+            return None
+        sums = route == "provider_sums"
+        oci = route in OCI_ROUTES
+        release = route in RELEASE_ROUTES
+        basic = route in BASIC_ROUTES or oci or release
 
-    def authenticate(request: web.Request) -> None:
-        if _token_ok(request, tokens, config, basic):
+        async def authenticate(request: web.Request) -> None:
+            identity = await self._identity(request, basic)
+            if identity is None and oci and route != "oci_token":
+                identity = self._issued(request)
+            if identity is not None:
+                return
+            if oci:
+                self._count("token", "missing")
+                raise Unauthorized("credentials are required: log in with any user name and "
+                                   "one of the proxy's tokens (or an OIDC token) as password")
+            if sums or (not release and request.path.endswith(_ARCHIVE_SUFFIXES)):
+                self._signed(request)
+                return
+            self._count("token", "missing")
+            if basic:
+                raise Unauthorized("a token is required: a bearer token, or in a browser the "
+                                   "token as the password (any user name)")
+            raise Unauthorized("a bearer token is required (Terraform: a credentials block "
+                               "or TF_TOKEN_ variable for this proxy's hostname)")
+
+        return authenticate
+
+    async def _identity(self, request: web.Request, basic: bool) -> Identity | None:
+        """The identity a static or OIDC token presented proves; None if none is presented
+        (or one that is neither). Raises Unauthorized or Forbidden for an OIDC token that
+        does not verify or matches no rule."""
+        presented = _presented(request, basic)
+        if presented is None:
+            return None
+        signer = request.app[SIGNER_KEY]
+        index = _index_of(presented.encode(), self._tokens)
+        if index is not None:
+            identity = static_identity(self._config, index)
+            request[TOKEN_BINDING_KEY] = signer.binding(self._tokens[index])
+        else:
+            verifier = request.app.get(OIDC_KEY)
+            if verifier is None or not looks_like_jwt(presented):
+                return None
+            try:
+                identity = await verifier.identify(presented)
+            except TokenRefused as exc:
+                self._count("oidc", exc.result)
+                raise
+            except Forbidden:
+                self._count("oidc", "forbidden")
+                raise
+            request[TOKEN_BINDING_KEY] = _rule_binding(signer, identity)
+        self._count(identity.method, "ok")
+        request[IDENTITY_KEY] = identity
+        request[TOKEN_NAME_KEY] = identity.name
+        return identity
+
+    def _issued(self, request: web.Request) -> Identity | None:
+        """The identity an OCI bearer token issued by /v2/token was given to, if the request
+        presents one that is still valid, for a token or rule still configured."""
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        signer = request.app[SIGNER_KEY]
+        known = {signer.binding(token): static_identity(self._config, index)
+                 for index, token in enumerate(self._tokens)}
+        for provider in self._config.oidc:
+            for number, rule in enumerate(provider.rules, 1):
+                admitted = Identity(name="", method="oidc",
+                                    rules=f"auth.oidc {provider.name!r} rule {number}",
+                                    allow=rule.allow)
+                known[_rule_binding(signer, admitted)] = admitted
+        issued = issued_token(signer, presented.strip(), frozenset(known))
+        if issued is None:
+            return None
+        binding, name = issued
+        identity = replace(known[binding], name=name or known[binding].name, method="issued")
+        self._count("issued", "ok")
+        request[IDENTITY_KEY] = identity
+        if name:
+            request[TOKEN_NAME_KEY] = name
+        return identity
+
+    def _signed(self, request: web.Request) -> None:
+        """A signed archive URL (clients send no credentials there): valid, or 401."""
+        signer = request.app[SIGNER_KEY]
+        signed_for = request.query.get(SIGNED_FOR)
+        if signer.valid(request.path, request.query.get(EXPIRES),
+                        request.query.get(SIGNATURE), signed_for=signed_for):
+            self._count("signed_url", "ok")
+            if signed_for:
+                request[TOKEN_NAME_KEY] = signed_for
             return
-        if oci:
-            if route != "oci_token" and _issued_token_ok(request, tokens):
-                return
-            raise Unauthorized("credentials are required: log in with any user name and one "
-                               "of the proxy's tokens as the password")
-        if sums or (not release and request.path.endswith(_ARCHIVE_SUFFIXES)):
-            signer = request.app[SIGNER_KEY]
-            signed_for = request.query.get(SIGNED_FOR)
-            if signer.valid(request.path, request.query.get(EXPIRES),
-                            request.query.get(SIGNATURE), signed_for=signed_for):
-                if signed_for:
-                    request[TOKEN_NAME_KEY] = signed_for
-                return
-            raise Unauthorized("this archive URL is not validly signed or has expired: ask "
-                               "for the version document again")
-        if basic:
-            raise Unauthorized("a token is required: a bearer token, or in a browser the "
-                               "token as the password (any user name)")
-        raise Unauthorized("a bearer token is required (Terraform: a credentials block or "
-                           "TF_TOKEN_ variable for this proxy's hostname)")
+        self._count("signed_url", "invalid")
+        raise Unauthorized("this archive URL is not validly signed or has expired: ask for "
+                           "the version document again")
 
-    return authenticate
+
+def check_allowed(request: web.Request, route: str) -> None:
+    """Forbidden when the request's identity may not pull what route names (its allow
+    list); nothing for an identity that may pull everything, or a signed archive URL (the
+    document that handed it out was allowed)."""
+    identity = request.get(IDENTITY_KEY)
+    if identity is None or identity.allow is None:
+        return
+    named = named_artifact(route, request.match_info)
+    if named is None:
+        return
+    artifact = named.artifact
+    target = pull_target(artifact.kind, artifact.host, artifact.namespace, artifact.name)
+    if not identity.may_pull(target):
+        raise Forbidden(f"{identity.name} may not pull {target}: {identity.rules} allows "
+                        f"only {', '.join(identity.allow) or 'nothing'}")

@@ -16,7 +16,7 @@ from prometheus_client import Counter
 from proxy.config.settings import AuthConfig
 from proxy.core.errors import BadRequest, ProxyError
 from proxy.core.metrics import Metrics
-from proxy.web.auth import BASIC_ROUTES, RELEASE_ROUTES, route_authentication
+from proxy.web.auth import BASIC_ROUTES, RELEASE_ROUTES, Authenticator
 from proxy.web.error_warnings import ErrorWarnings
 from proxy.web.responses import PREPARED_RESPONSE_KEY, abort_after_headers, error_body
 
@@ -128,10 +128,12 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
     connection. No middleware, so nothing else runs per request. A refusal of a request
     that names an artifact is logged with its reason and what to do (ErrorWarnings)."""
     warnings = ErrorWarnings()
+    authenticator = Authenticator(
+        auth, lambda method, result: metrics.auth_requests.labels(method, result).inc())
 
     def guard(route: str, handler: Handler, shape: ErrorShape | None = None) -> Handler:
         # Paths no route serves are answered (404, 405) without asking for credentials.
-        authenticate = None if route == UNMATCHED else route_authentication(auth, route)
+        authenticate = None if route == UNMATCHED else authenticator.for_route(route)
         count = _answer_counter(metrics, route)
 
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -141,7 +143,7 @@ def route_guard(metrics: Metrics, auth: AuthConfig) -> Guard:
                 except UnicodeDecodeError:
                     raise BadRequest("request path is not valid UTF-8") from None
                 if authenticate is not None:
-                    authenticate(request)
+                    await authenticate(request)
                 response = await handler(request)
             except Exception as exc:
                 prepared = request.get(PREPARED_RESPONSE_KEY)

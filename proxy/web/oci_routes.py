@@ -24,7 +24,7 @@ from proxy.protocols.oci_manifests import EMPTY_CONFIG, EMPTY_CONFIG_BLOB, Docum
 from proxy.protocols.oci_modules import OciModules, module_repository
 from proxy.protocols.oci_records import BlobUnknown, DigestInvalid, ManifestUnknown
 from proxy.store.protocol import BlobInfo
-from proxy.web.auth import SIGNER_KEY, TOKEN_BINDING_KEY, TOKEN_NAME_KEY
+from proxy.web.auth import IDENTITY_KEY, SIGNER_KEY, TOKEN_BINDING_KEY, TOKEN_NAME_KEY
 from proxy.web.oci_tokens import issue_token
 from proxy.web.responses import send_file
 from proxy.web.routes import ARCHIVES_KEY, METRICS_KEY, RouteAdder, public_base
@@ -67,8 +67,10 @@ async def token(request: web.Request) -> web.Response:
     if signer is None:
         issued, expires_in = "anonymous", 3600
     else:
-        issued, expires_in = issue_token(signer, request.get(TOKEN_NAME_KEY),
-                                         request.get(TOKEN_BINDING_KEY))
+        identity = request.get(IDENTITY_KEY)
+        issued, expires_in = issue_token(
+            signer, request.get(TOKEN_NAME_KEY), request.get(TOKEN_BINDING_KEY),
+            None if identity is None else identity.expires_at)
     now = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return web.json_response({"token": issued, "access_token": issued,
                               "expires_in": expires_in, "issued_at": now},

@@ -18,22 +18,25 @@ _SIGNED_PATH = "/v2/token"
 _PREFIX = "tfproxy."
 
 
-def issue_token(signer: UrlSigner, token_name: str | None,
-                binding: str | None) -> tuple[str, int]:
+def issue_token(signer: UrlSigner, token_name: str | None, binding: str | None,
+                not_after: float | None = None) -> tuple[str, int]:
     """A bearer token for token_name (the credentials the client proved, whose binding is
-    given; None for both with authentication off) and its lifetime in seconds."""
+    given; None for both with authentication off) and its lifetime in seconds; never valid
+    past not_after (an OIDC token's own expiry)."""
     expires = signer.expiry()
+    if not_after is not None:
+        expires = min(expires, int(not_after))
     signed_for = None if binding is None else f"{binding}:{token_name or ''}"
     query = signer.query(_SIGNED_PATH, expires=expires, signed_for=signed_for)
     encoded = base64.urlsafe_b64encode(query.encode()).decode().rstrip("=")
     return _PREFIX + encoded, max(0, expires - int(time.time()))
 
 
-def issued_token_name(signer: UrlSigner, presented: str,
-                      bindings: frozenset[str]) -> str | None:
-    """The name of the token an issued bearer token was given for, if it is one of ours, has
-    not expired and that token is still configured (its binding is among bindings); None
-    otherwise."""
+def issued_token(signer: UrlSigner, presented: str,
+                 bindings: frozenset[str]) -> tuple[str, str] | None:
+    """The binding and name of what an issued bearer token was given for, if it is one of
+    ours, has not expired and what it was issued for is still configured (its binding is
+    among bindings); None otherwise."""
     if not presented.startswith(_PREFIX) or len(presented) > 1024:
         return None
     encoded = presented[len(_PREFIX):]
@@ -47,4 +50,4 @@ def issued_token_name(signer: UrlSigner, presented: str,
     if not signer.valid(_SIGNED_PATH, expires, signature, signed_for=signed_for):
         return None
     binding, _, name = (signed_for or "").partition(":")
-    return name if binding in bindings else None
+    return (binding, name) if binding in bindings else None

@@ -43,7 +43,8 @@ class PullCounter:
         else:
             keep_recent(self._heads, key, now, _HEADS_HELD)
         self._activity.pulled(kind, name, version, request.get(CACHE_RESULT_KEY, "hit"),
-                              self._client(request) if self._name_clients else None)
+                              self._client(request) if self._name_clients else None,
+                              request.get(TOKEN_NAME_KEY))
 
     @staticmethod
     def _client(request: web.Request) -> str:

@@ -12,7 +12,7 @@ from aiohttp.typedefs import Handler
 
 from proxy.config import Config
 from proxy.core.audit import NO_AUDIT, AuditLog
-from proxy.core.errors import NotFound
+from proxy.core.errors import Forbidden, NotFound
 from proxy.core.executors import quick
 from proxy.core.held import Derived
 from proxy.core.json_bodies import JsonBody, json_body
@@ -31,8 +31,9 @@ from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
+from proxy.web.artifacts import ARTIFACT_ROUTES
 from proxy.web.audit_requests import audited
-from proxy.web.auth import SIGNER_KEY, TOKEN_NAME_KEY
+from proxy.web.auth import IDENTITY_KEY, SIGNER_KEY, TOKEN_NAME_KEY, check_allowed
 from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
 from proxy.web.pulls import counted
 from proxy.web.responses import json_body_response, json_response, send_file
@@ -41,6 +42,7 @@ from proxy.web.status_page import (
     render_inventory_page,
     render_status_page,
 )
+from proxy.web.url_signing import UrlSigner
 
 log = logging.getLogger(__name__)
 MIRROR_PREFIX = "/mirror/"
@@ -167,7 +169,7 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
         # Archives are fetched without credentials: each answer carries its own signed URLs,
         # for the path as this client spelled it (what its archive requests will be).
         document = await mirror.version_document(provider, version)
-        expires = signer.expiry()
+        expires = _expiry(request, signer)
         directory = request.path.rsplit("/", 1)[0]
         return json_body_response(request, _request_body(
             request, (request.path, request.get(TOKEN_NAME_KEY)), document, expires,
@@ -177,6 +179,14 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
                                "application/zip", app[ARCHIVES_KEY],
                                app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
+
+
+def _expiry(request: web.Request, signer: UrlSigner) -> int:
+    """When the URLs signed for this request expire: a URL handed to an identity whose
+    token expires (OIDC) does not outlive it by more than auth.signed_url_ttl."""
+    identity = request.get(IDENTITY_KEY)
+    return signer.expiry(credential_expires=None if identity is None
+                         else identity.expires_at)
 
 
 def _request_body(request: web.Request, key: Hashable, source: object, tag: Hashable,
@@ -251,7 +261,7 @@ async def provider_download(request: web.Request) -> web.Response:
     platform = Platform.parse(request.match_info["os"], request.match_info["arch"])
     facts = await request.app[REGISTRY_KEY].download_document(provider, version, platform)
     signer = request.app.get(SIGNER_KEY)
-    expires = None if signer is None else signer.expiry()
+    expires = None if signer is None else _expiry(request, signer)
 
     def build() -> dict[str, Any]:
         document, sums = dict(facts[0]), facts[1]
@@ -329,6 +339,24 @@ async def unmatched(request: web.Request) -> web.StreamResponse:
     raise web.HTTPNotFound()
 
 
+def allowed(route: str, handler: Handler) -> Handler:
+    """handler, after the check that the request's identity may pull what route names
+    (a 403 before anything is looked up, written to the audit log as a refusal)."""
+    if route not in ARTIFACT_ROUTES:
+        return handler
+
+    async def checked(request: web.Request) -> web.StreamResponse:
+        try:
+            check_allowed(request, route)
+        except Forbidden:
+            identity = request[IDENTITY_KEY]
+            request.app[METRICS_KEY].auth_requests.labels(identity.method, "forbidden").inc()
+            raise
+        return await handler(request)
+
+    return checked
+
+
 def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
                more: Sequence[Callable[[RouteAdder], None]] = (),
                unmatched_shapes: Mapping[str, ErrorShape] | None = None) -> None:
@@ -340,8 +368,8 @@ def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,
     app[BODIES_KEY] = Derived(_HELD_BODIES)
 
     def get(path: str, handler: Handler, name: str, shape: ErrorShape | None = None) -> None:
-        app.router.add_get(path, guard(name, counted(name, audited(name, handler, audit)),
-                                       shape), name=name)
+        app.router.add_get(path, guard(name, counted(name, audited(
+            name, allowed(name, handler), audit)), shape), name=name)
 
     get("/healthz", healthz, "healthz")
     get("/readyz", readyz, "readyz")

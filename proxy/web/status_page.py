@@ -83,6 +83,10 @@ def render_status_page(document: dict[str, Any]) -> str:
                  ((m["name"], m["requests"]) for m in document["top_modules"]),
                  "No module served yet."),
         _recent_pulls(document.get("recent_pulls", []), clients is not None),
+        "" if document.get("identities") is None else _section(
+            "Pulls per identity", "identities", ("Identity (token or OIDC)", "Pulls"),
+            ((i["name"], i["pulls"]) for i in document["identities"]),
+            "No authenticated pull yet."),
         "" if clients is None else _section(
             "Pulls per client (recent)", "clients", ("Client", "Pulls", "Last pull"),
             ((c["client"], c["pulls"], c["last_pull"]) for c in clients),

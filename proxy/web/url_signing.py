@@ -39,9 +39,12 @@ class UrlSigner:
         never in it)."""
         return hmac.new(self._key, b"token\n" + secret, hashlib.sha256).hexdigest()[:32]
 
-    def expiry(self, now: float | None = None) -> int:
-        """When a URL signed now expires: the TTL from now, rounded down to the step."""
+    def expiry(self, now: float | None = None, credential_expires: float | None = None) -> int:
+        """When a URL signed now expires: the TTL from now, rounded down to the step; for
+        a credential that expires (an OIDC token), never later than the TTL past that."""
         at = int((time.time() if now is None else now) + self._ttl)
+        if credential_expires is not None:
+            at = min(at, int(credential_expires + self._ttl))
         return at - at % self._step
 
     def query(self, path: str, now: float | None = None, expires: int | None = None,

@@ -108,6 +108,8 @@ class FakeRegistry:
         self.download_host: str | None = None  # names download URLs' host when set
         self.authorizations: list[tuple[str, str | None]] = []
         self.module_archives: dict[str, bytes] = {}
+        # An OIDC issuer's published keys (a JWKS), at /oidc/jwks.
+        self.jwks: dict[str, object] = {"keys": []}
         # Requests whose path starts with a key are answered that many seconds late (a slow
         # module source: e.g. a git repository's `/info/refs`, the first request of a clone).
         self.slow_paths: dict[str, float] = {}
@@ -194,6 +196,7 @@ class FakeRegistry:
         self.faults.clear()
         self.slow_paths.clear()
         self.download_host = None
+        self.jwks = {"keys": []}
 
     @property
     def url(self) -> str:
@@ -233,6 +236,7 @@ class FakeRegistry:
                            self._module_download)
         app.router.add_get("/archives/{name}", self._module_archive)
         app.router.add_get("/to-localhost/{tail:.*}", self._to_localhost)
+        app.router.add_get("/oidc/jwks", self._jwks)
         # A bare git repository served as static files is the "dumb HTTP" git protocol.
         app.router.add_static("/git/", self.git_root)
         self.cli.add_routes(app)
@@ -246,6 +250,9 @@ class FakeRegistry:
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.cli.url = self.url
+
+    async def _jwks(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.jwks)
 
     @web.middleware
     async def _log_and_faults(self, request: web.Request, handler: object) -> web.StreamResponse:
