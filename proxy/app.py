@@ -18,6 +18,7 @@ from proxy.core.audit import AuditLog
 from proxy.core.errors import ProxyError, UpstreamError
 from proxy.core.executors import quick, serving
 from proxy.core.metrics import Metrics
+from proxy.core.models import ProviderAddress
 from proxy.protocols.inventory import Inventory
 from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
@@ -27,6 +28,7 @@ from proxy.protocols.oci_records import OciRecords
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.releases import CliReleases
 from proxy.protocols.status import StatusReport, snapshot_directory
+from proxy.protocols.version_policy import VersionPolicy
 from proxy.store.disk import open_disk_for_commands, open_disk_storage
 from proxy.store.protocol import Storage, StorageOpener
 from proxy.tls.state import StatePaths
@@ -41,6 +43,7 @@ from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.upstream.releases import ReleasesClient
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
+from proxy.verification.release_times import ReleaseTimes
 from proxy.verification.releases import ReleaseKeyError, load_release_keys
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import OIDC_KEY, SIGNER_KEY, load_signing_key
@@ -58,6 +61,7 @@ from proxy.web.routes import (
     METRICS_KEY,
     MIRROR_KEY,
     MODULES_KEY,
+    POLICY_KEY,
     REGISTRY_KEY,
     STATUS_KEY,
     add_routes,
@@ -159,16 +163,22 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     # One view of what is served (hosts, then filters), shared by every service.
     filters = Filters(config.filters, config.upstream)
     discovery = Discovery(http, config.upstream, filters)
+    times = ReleaseTimes(cache)
+    policy = VersionPolicy(config.policy, times, metrics, activity)
+    opened.push_async_callback(policy.close)
+    app[POLICY_KEY] = policy
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
-                                config.upstream, metrics, filters, activity)
+                                config.upstream, metrics, filters, activity, times)
     opened.push_async_callback(packages.close)
+    policy.dated_by("provider", lambda address, version: packages.signed_at(
+        ProviderAddress.parse(*address.split("/")), version))
     stored = StoredPackages(packages, archives, config.upstream)
     opened.push_async_callback(stored.close)
     fills = PackageFills(packages, stored, archives, config.upstream, metrics, audit)
     opened.push_async_callback(fills.close)  # closed first: fills stop before what they use
-    mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics, activity)
+    mirror = ProviderMirror(packages, stored, fills, config.upstream, metrics, activity, policy)
     opened.push_async_callback(mirror.close)
-    registry = ProviderRegistryService(packages, stored, config.upstream)
+    registry = ProviderRegistryService(packages, stored, config.upstream, policy)
     opened.push_async_callback(registry.close)
     app[REGISTRY_KEY] = registry
     git_ca = combined_ca_bundle(config.upstream.ca_bundle, cache_dir / "tls" / "git-ca.pem")
@@ -176,13 +186,13 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     opened.push_async_callback(git_gate.close)
     sources = ModuleSourceFetcher(http, config.modules, git_ca, git_gate)
     modules = ModuleRegistry(ModuleRegistryClient(http, discovery), sources, cache, archives,
-                             config.upstream, metrics, filters, activity, audit)
+                             config.upstream, metrics, filters, activity, policy, audit)
     opened.push_async_callback(modules.close)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror
     app[MODULES_KEY] = modules
     oci_records = OciRecords(cache)
-    oci = OciProviders(mirror, packages, stored, fills, oci_records, config.upstream)
+    oci = OciProviders(mirror, packages, stored, fills, oci_records, config.upstream, policy)
     opened.push_async_callback(oci.close)
     app[OCI_KEY] = oci
     oci_modules = OciModules(modules, archives, cache, oci_records, config.upstream)
@@ -194,8 +204,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
         raise ProxyError(f"releases: the release keys cannot be read: {exc}") from None
     releases = CliReleases(
         ReleasesClient(http, config.releases, config.upstream.max_archive_size), archives,
-        cache, release_keys, config.upstream, metrics, activity, audit)
+        cache, release_keys, config.upstream, metrics, activity, policy, audit)
     opened.push_async_callback(releases.close)
+    policy.dated_by("cli", releases.signed_at)
     app[RELEASES_KEY] = releases
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.airgap.constraints import newest_matching, parse_constraint
+from proxy.core.constraints import newest_matching, parse_constraint
 
 VERSIONS = ["1.0.0", "1.2.0", "1.2.5", "1.3.0", "2.0.0", "2.1.0-beta.1", "5.0.1", "5.9.0"]
 

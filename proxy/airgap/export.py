@@ -21,7 +21,6 @@ from typing import Any, BinaryIO
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from proxy.airgap.constraints import newest_matching
 from proxy.airgap.manifest import FORMAT, MANIFEST, SIGNATURE, BundleError, Counts, file_entry
 from proxy.airgap.publish import opened_audit
 from proxy.airgap.signing import ManifestSigner
@@ -29,6 +28,7 @@ from proxy.airgap.sources import Requirement
 from proxy.app import open_for_commands
 from proxy.config.settings import Config
 from proxy.core.audit import Artifact, AuditLog, key_id, local_user
+from proxy.core.constraints import newest_matching
 from proxy.core.errors import ProxyError
 from proxy.core.executors import slow_then_close
 from proxy.core.models import ModuleAddress, Platform, ProviderAddress

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import hcl2
 
-from proxy.airgap.constraints import parse_constraint
+from proxy.core.constraints import parse_constraint
 from proxy.core.errors import BadRequest
 from proxy.core.models import ModuleAddress, ProviderAddress
 

@@ -17,10 +17,10 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 from aiohttp import web
 
-from proxy.airgap.constraints import newest_matching
 from proxy.airgap.sources import CliRequirement, Requirement
 from proxy.app import create_app
 from proxy.config.settings import AuthConfig, Config
+from proxy.core.constraints import newest_matching
 from proxy.core.redaction import excerpt, mask_secrets
 from proxy.core.releases import TERRAFORM, product_named
 from proxy.protocols.release_documents import version_directory

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config.auth_parser import parse_auth
+from proxy.config.policy_parser import parse_policy
 from proxy.config.settings import (
     ENV_KEYS,
     KNOWN_SERVICES,
@@ -53,7 +54,7 @@ class _Parser:
 
     def config(self) -> Config:
         self.unknown(self.raw, "", ("server", "cache", "upstream", "modules", "filters",
-                                     "auth", "releases"))
+                                     "auth", "releases", "policy"))
         server = self._server(self._table(self.raw, "server"))
         cache_table = self._table(self.raw, "cache")
         self.unknown(cache_table, "cache.", (*ENV_KEYS["cache"], "s3"))
@@ -75,10 +76,11 @@ class _Parser:
         filters = self._filters(self._table(self.raw, "filters"))
         auth = parse_auth(self._table(self.raw, "auth"), self)
         releases = self._releases(self._table(self.raw, "releases"))
+        policy = parse_policy(self._table(self.raw, "policy"), self.problems)
         if self.problems:
             raise ConfigError(self.problems)
         return Config(server=server, cache=cache, upstream=upstream, modules=modules,
-                      filters=filters, auth=auth, releases=releases)
+                      filters=filters, auth=auth, releases=releases, policy=policy)
 
     def _releases(self, table: dict[str, Any]) -> ReleasesConfig:
         self.unknown(table, "releases.", ENV_KEYS["releases"])

@@ -280,6 +280,40 @@ class ReleasesConfig:
 
 
 @dataclass(frozen=True)
+class PolicyRule:
+    """A more specific cooldown for the addresses `match` selects (`[[policy.rules]]`)."""
+
+    match: str  # a HOST/NAMESPACE/NAME glob, or releases/PRODUCT
+    min_release_age: float  # seconds
+
+
+@dataclass(frozen=True)
+class PolicyException:
+    """A `[[policy.deny]]` or `[[policy.allow]]` entry: versions of the addresses `match`
+    selects (a Terraform version constraint; None: every version), and why."""
+
+    match: str
+    versions: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which versions may be served, and from when (`[policy]`)."""
+
+    min_release_age: float = 0.0  # seconds; 0: no cooldown
+    rules: tuple[PolicyRule, ...] = ()
+    deny: tuple[PolicyException, ...] = ()
+    allow: tuple[PolicyException, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether it can hide anything at all (else every version is served as listed)."""
+        return bool(self.min_release_age > 0 or self.deny
+                    or any(rule.min_release_age > 0 for rule in self.rules))
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
@@ -290,6 +324,7 @@ class Config:
     filters: FiltersConfig = field(default_factory=FiltersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     releases: ReleasesConfig = field(default_factory=ReleasesConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set (a nested table's
@@ -308,6 +343,26 @@ ENV_KEYS = {
     "releases": ("terraform_url", "opentofu_url", "opentofu_list_url", "terraform_keys",
                  "opentofu_keys"),
 }
+
+
+_DURATION = re.compile(r"(\d+)([smhdw])")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: object) -> float | None:
+    """Parse `"72h"`, `"30m"`, `"7d"`, `"0"` (or a number of seconds) into seconds; None
+    when malformed."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value) if value >= 0 else None
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    match = _DURATION.fullmatch(text)
+    return None if match is None else float(int(match.group(1)) * _DURATION_UNITS[match.group(2)])
 
 
 def parse_size(value: object) -> int | None:

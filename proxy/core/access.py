@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 METHODS = ("token", "oidc", "signed_url", "issued")
 # The `result` label of tfproxy_auth_total.
 RESULTS = ("ok", "missing", "invalid", "expired", "forbidden")
+# Why the version policy refused a version: the `reason` label of
+# tfproxy_policy_refusals_total.
+REFUSAL_KINDS = ("cooldown", "deny")
 
 
 def pull_target(kind: str, host: str, namespace: str, name: str) -> str:

@@ -77,6 +77,7 @@ class Activity:
         self._pulls: deque[dict[str, Any]] = deque(maxlen=RECENT_PULLS)
         self._pulled = {"hit": 0, "miss": 0}
         self._identities = CappedCounts()
+        self._refusals: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
 
     def _host(self, host: str) -> HostHealth | None:
         health = self._hosts.get(host)
@@ -121,6 +122,13 @@ class Activity:
             "time": time.time(), "kind": kind, "artifact": excerpt(f"{name} {version}", 200),
             "cache": outcome, "client": None if client is None else excerpt(client, 120)})
 
+    def policy_refusal(self, artifact: str, kind: str, reason: str, rule: str) -> None:
+        """The version policy refused a version (kind: cooldown, deny)."""
+        self._refusals.appendleft({
+            "time": time.time(), "artifact": excerpt(artifact, _REASON_CHARACTERS),
+            "kind": kind, "rule": excerpt(rule, 60),
+            "reason": excerpt(reason, _REASON_CHARACTERS)})
+
     def integrity_failure(self, artifact: str, kind: str, reason: str) -> None:
         """An artifact failed verification (kind: checksum, signature, sha256sums, ...)."""
         self._failures.appendleft({
@@ -138,6 +146,7 @@ class Activity:
             "recent_pulls": list(self._pulls),
             "pulls": dict(self._pulled),
             "identities": self._identities.top(SHARED_NAMES),
+            "policy_refusals": list(self._refusals),
         }
 
 
@@ -148,6 +157,7 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     hosts: dict[str, HostHealth] = {}
     failures: list[dict[str, Any]] = []
     pulls: list[dict[str, Any]] = []
+    refusals: list[dict[str, Any]] = []
     identities: dict[str, int] = {}
     requested: dict[str, dict[str, int]] = {kind: {} for kind in REQUEST_KINDS}
     sums: dict[str, Any] = {}
@@ -156,6 +166,7 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             _merge_host(hosts.setdefault(host, HostHealth()), HostHealth(**health))
         failures.extend(snapshot.get("integrity_failures", ()))
         pulls.extend(snapshot.get("recent_pulls", ()))
+        refusals.extend(snapshot.get("policy_refusals", ()))
         for name, count in snapshot.get("identities", {}).items():
             identities[name] = identities.get(name, 0) + count
         for kind, counts in snapshot.get("requested", {}).items():
@@ -163,17 +174,19 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             for name, count in counts.items():
                 into[name] = into.get(name, 0) + count
         for key, value in snapshot.items():
-            if key not in ("hosts", "identities", "integrity_failures", "recent_pulls",
-                           "requested", "started", "written"):
+            if key not in ("hosts", "identities", "integrity_failures", "policy_refusals",
+                           "recent_pulls", "requested", "started", "written"):
                 sums[key] = _add(sums.get(key), value)
     failures.sort(key=lambda failure: failure["time"], reverse=True)
     pulls.sort(key=lambda pull: pull["time"], reverse=True)
+    refusals.sort(key=lambda refusal: refusal["time"], reverse=True)
     return {
         **sums,
         "started": min((s["started"] for s in snapshots), default=None),
         "hosts": hosts,
         "integrity_failures": failures[:RECENT_FAILURES],
         "recent_pulls": pulls[:RECENT_PULLS],
+        "policy_refusals": refusals[:RECENT_FAILURES],
         "identities": heapq.nlargest(TOP_NAMES, identities.items(),
                                      key=lambda i: (i[1], i[0])),
         "requested": {kind: heapq.nlargest(TOP_NAMES, counts.items(), key=lambda i: (i[1], i[0]))

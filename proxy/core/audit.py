@@ -135,6 +135,9 @@ class Artifact:
 def refusal(exc: ProxyError) -> str:
     """The outcome of a refused request, one bounded word per cause (the reason field says
     the rest)."""
+    said = exc.audit_outcome()
+    if said is not None:
+        return said
     for kind, outcome in ((HostNotServed, "host_not_allowed"), (FilteredOut, "filtered"),
                           (Offline, "offline"),
                           (UnknownVersion, "unknown_version"), (IntegrityError, "integrity"),

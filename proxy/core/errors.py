@@ -32,6 +32,15 @@ class ProxyError(Exception):
         super().__init__(message)
         self.message = message
 
+    def audit_outcome(self) -> str | None:
+        """The audit log's outcome word for this refusal, where the class says more than
+        its type does (None: the audit log decides from the type)."""
+        return None
+
+    def audit_details(self) -> dict[str, object]:
+        """More fields for the audit line of this refusal."""
+        return {}
+
 
 class BadRequest(ProxyError):
     """The client sent something malformed."""

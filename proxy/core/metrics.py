@@ -23,7 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy import __version__
-from proxy.core.access import METHODS, RESULTS
+from proxy.core.access import METHODS, REFUSAL_KINDS, RESULTS
 from proxy.core.errors import INTEGRITY_KINDS
 from proxy.core.shared_metrics import WorkerProcesses, WorkerRestarts, shared_directory
 
@@ -163,6 +163,11 @@ class Metrics:
             "renewed in time).", "outcome")
         for outcome in ("acquired", "waited", "taken_over", "lost"):
             self.fill_leases.labels(outcome)
+        self.policy_refusals = counter(
+            "tfproxy_policy_refusals", "Direct requests the version policy refused, by reason "
+            "(cooldown: too new; deny: a deny entry covers it).", "reason")
+        for reason in REFUSAL_KINDS:
+            self.policy_refusals.labels(reason)
         self.auth_requests = counter(
             "tfproxy_auth", "Client authentications by method (token, oidc, issued: an OCI "
             "token from /v2/token, signed_url) and result (ok, missing, invalid, expired, "

@@ -119,15 +119,19 @@ class VersionListAnswers(Generic[S]):
         self._held: HeldAnswers[JsonBody] = HeldAnswers(limit)
 
     async def get(self, key: str, version_list: Callable[[], Awaitable[S]],
-                  build: Callable[[S], Awaitable[dict[str, Any]]]) -> JsonBody:
-        """The document for key: build(the list) makes it, version_list() reads the list."""
+                  build: Callable[[S], Awaitable[dict[str, Any]]],
+                  tag: Callable[[S], Awaitable[Hashable]] | None = None) -> JsonBody:
+        """The document for key: build(the list) makes it, version_list() reads the list;
+        tag(the list), when given, names what else the document depends on (the versions
+        the version policy shows now): a new tag builds it again."""
         if self._offline:
             return await self._held.get(key, lambda: self._build_offline(version_list, build))
         source = await version_list()
-        held = self._derived.get(key, source)
+        now = None if tag is None else await tag(source)
+        held = self._derived.get(key, source, now)
         if held is not None:
             return held
-        return self._derived.put(key, source, json_body(await build(source)))
+        return self._derived.put(key, source, json_body(await build(source)), now)
 
     async def close(self) -> None:
         """Stop rebuilds under way (shutdown)."""

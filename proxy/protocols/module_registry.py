@@ -32,6 +32,7 @@ from proxy.core.waits import missed_the_cache
 from proxy.modules.packing import read_packed
 from proxy.modules.sources import ModuleSource, parse_source
 from proxy.protocols.held_documents import VersionListAnswers
+from proxy.protocols.version_policy import VersionPolicy, module_target
 from proxy.store import layout
 from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import (
@@ -62,8 +63,9 @@ class ModuleRegistry:
     def __init__(self, client: ModuleRegistryClient, sources: ModuleSourceFetcher,
                  cache: MetadataIndex, archives: BlobStore, config: UpstreamConfig,
                  metrics: Metrics, filters: Filters, activity: Activity,
-                 audit: AuditLog = NO_AUDIT) -> None:
+                 policy: VersionPolicy, audit: AuditLog = NO_AUDIT) -> None:
         self._client = client
+        self._policy = policy
         self._audit = audit
         self._sources = sources
         self._cache = cache
@@ -97,7 +99,30 @@ class ModuleRegistry:
         once per version list read."""
         self._filters.require_module(module)
         return await self._version_bodies.get(
-            str(module), lambda: self._versions(module), _versions_document)
+            str(module), lambda: self._versions(module),
+            lambda versions: self._shown_document(module, versions),
+            lambda versions: self._policy.list_tag("module", str(module),
+                                                   module_target(module), versions))
+
+    async def _fetch_versions(self, module: ModuleAddress) -> list[str]:
+        """Upstream's list, its versions noted as seen now (the version policy's dates)."""
+        versions = await self._client.list_versions(module)
+        await self._policy.times.listed("module", str(module), versions)
+        return versions
+
+    async def require_policy(self, module: ModuleAddress, version: str) -> None:
+        """PolicyRefused unless the version policy serves this version now."""
+        await self._policy.require("module", str(module), module_target(module), version,
+                                   f"module {module} {version}")
+
+    async def shown(self, module: ModuleAddress, versions: list[str]) -> list[str]:
+        """The versions of module the version policy shows now."""
+        return await self._policy.visible("module", str(module), module_target(module),
+                                          versions)
+
+    async def _shown_document(self, module: ModuleAddress,
+                              versions: list[str]) -> dict[str, Any]:
+        return await _versions_document(await self.shown(module, versions))
 
     async def download(self, module: ModuleAddress, version: str) -> None:
         """The `download` operation: raises unless the archive is held or the version list
@@ -155,7 +180,7 @@ class ModuleRegistry:
 
     async def _versions(self, module: ModuleAddress, wanted: str | None = None) -> list[str]:
         return await self._version_lists.get(
-            layout.module_version_list_record(module), lambda: self._client.list_versions(module),
+            layout.module_version_list_record(module), lambda: self._fetch_versions(module),
             origin=module.hostname,
             knows=None if wanted is None else (lambda versions: wanted in versions))
 

@@ -28,6 +28,7 @@ from proxy.protocols.held_documents import (
     current_for,
 )
 from proxy.protocols.platform_packages import for_each_platform, served_platforms
+from proxy.protocols.version_policy import VersionPolicy, provider_target
 from proxy.store.protocol import BlobInfo
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.hashes import zh_hash
@@ -56,8 +57,10 @@ class ProviderMirror:
     others through a fill."""
 
     def __init__(self, packages: VerifiedPackages, stored: StoredPackages, fills: PackageFills,
-                 config: UpstreamConfig, metrics: Metrics, activity: Activity) -> None:
+                 config: UpstreamConfig, metrics: Metrics, activity: Activity,
+                 policy: VersionPolicy) -> None:
         self._packages = packages
+        self._policy = policy
         self._activity = activity
         self._stored = stored
         self._fills = fills
@@ -84,13 +87,18 @@ class ProviderMirror:
         self._packages.require_served(provider)
         return await self._indexes.get(
             str(provider), lambda: self._packages.version_list(provider),
-            lambda entries: self._index(provider, entries))
+            lambda entries: self._index(provider, entries),
+            lambda entries: self._policy.list_tag("provider", str(provider),
+                                                  provider_target(provider),
+                                                  [e.version for e in entries]))
 
     async def _index(self, provider: ProviderAddress,
                      entries: list[VersionEntry]) -> dict[str, Any]:
         """The body of `index.json`: every valid version upstream lists (offline: held)."""
         entries = await self._stored.held_when_offline(provider, entries)
-        ordered = sorted((e.version for e in entries), key=version_sort_key)
+        shown = await self._policy.visible("provider", str(provider), provider_target(provider),
+                                           [e.version for e in entries])
+        ordered = sorted(shown, key=version_sort_key)
         return {"versions": {version: {} for version in ordered}}
 
     async def version_document(self, provider: ProviderAddress, version: str) -> dict[str, Any]:

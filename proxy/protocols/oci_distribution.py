@@ -35,6 +35,7 @@ from proxy.protocols.oci_records import (
     is_digest,
 )
 from proxy.protocols.platform_packages import for_each_platform, served_platforms
+from proxy.protocols.version_policy import VersionPolicy, provider_target
 from proxy.store.protocol import BlobInfo
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
@@ -54,8 +55,9 @@ class OciProviders:
 
     def __init__(self, mirror: ProviderMirror, packages: VerifiedPackages,
                  stored: StoredPackages, fills: PackageFills, records: OciRecords,
-                 config: UpstreamConfig) -> None:
+                 config: UpstreamConfig, policy: VersionPolicy) -> None:
         self._mirror = mirror
+        self._policy = policy
         self._packages = packages
         self._stored = stored
         self._fills = fills
@@ -75,7 +77,9 @@ class OciProviders:
         self._packages.require_served(provider)
         entries = await self._stored.held_when_offline(
             provider, await self._packages.version_list(provider))
-        return sorted(tag_of(entry.version) for entry in entries)
+        shown = await self._policy.visible("provider", str(provider), provider_target(provider),
+                                           [entry.version for entry in entries])
+        return sorted(tag_of(version) for version in shown)
 
     async def manifest(self, provider: ProviderAddress, reference: str) -> Document:
         """`manifests/<reference>`: by tag, the version's index; by digest, any document
@@ -106,6 +110,8 @@ class OciProviders:
         if layer is None:
             raise BlobUnknown(f"{provider} has no blob {digest}: ask for its manifest first")
         version, platform = layer
+        await self._policy.require("provider", str(provider), provider_target(provider),
+                                   version, f"{provider} {version} {platform.key}")
         # The record names the package that had this digest; the one verified now may be
         # another (pruned since, and republished upstream with other bytes).
         if (await self._packages.package(provider, version, platform)).shasum != hexdigest:

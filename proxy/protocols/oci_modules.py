@@ -86,7 +86,8 @@ class OciModules:
     async def tags(self, module: ModuleAddress) -> list[str]:
         """`tags/list`: every version as a tag, in lexical order; offline, the version list
         the store holds (as `versions` answers)."""
-        return sorted(tag_of(version) for version in await self._modules.versions(module))
+        versions = await self._modules.shown(module, await self._modules.versions(module))
+        return sorted(tag_of(version) for version in versions)
 
     async def manifest(self, module: ModuleAddress, reference: str) -> Document:
         """`manifests/<reference>`: by tag, the version's image manifest (the first one
@@ -112,6 +113,7 @@ class OciModules:
         if not isinstance(version, str):
             raise BlobUnknown(f"module {module} has no blob {digest}: ask for its manifest "
                               "first")
+        await self._modules.require_policy(module, version)
         made = await self._zip(module, version)
         if made.sha256 != hexdigest:  # made again since, from an archive fetched again
             raise BlobUnknown(f"module {module} {version} no longer has blob {digest}: ask "

@@ -21,6 +21,7 @@ from proxy.core.held import keep_recent
 from proxy.core.json_bodies import JsonBody
 from proxy.core.models import Platform, ProviderAddress
 from proxy.protocols.held_documents import VersionListAnswers
+from proxy.protocols.version_policy import VersionPolicy, provider_target
 from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import VerifiedPackages, sums_id
 from proxy.verification.stored_packages import StoredPackages
@@ -35,8 +36,9 @@ class ProviderRegistryService:
     """Answers `providers.v1` requests for every allowed upstream host."""
 
     def __init__(self, packages: VerifiedPackages, stored: StoredPackages,
-                 config: UpstreamConfig) -> None:
+                 config: UpstreamConfig, policy: VersionPolicy) -> None:
         self._packages = packages
+        self._policy = policy
         self._stored = stored
         self._filters = packages.filters
         self._versions: VersionListAnswers[list[VersionEntry]] = VersionListAnswers(
@@ -52,8 +54,11 @@ class ProviderRegistryService:
         """`:namespace/:type/versions`, with protocols and (allowed) platforms, from upstream's
         list (offline: what of it is held)."""
         entries = await self._stored.held_when_offline(provider, entries)
+        shown = set(await self._policy.visible("provider", str(provider),
+                                               provider_target(provider),
+                                               [e.version for e in entries]))
         listed = []
-        for entry in entries:
+        for entry in (e for e in entries if e.version in shown):
             platforms = await self._stored.platforms_held_when_offline(
                 provider, entry.version,
                 [p for p in entry.platforms if self._filters.platform_allowed(p)])
@@ -67,7 +72,10 @@ class ProviderRegistryService:
         self._packages.require_served(provider)
         return await self._versions.get(
             str(provider), lambda: self._packages.version_list(provider),
-            lambda entries: self._versions_document(provider, entries))
+            lambda entries: self._versions_document(provider, entries),
+            lambda entries: self._policy.list_tag("provider", str(provider),
+                                                  provider_target(provider),
+                                                  [e.version for e in entries]))
 
     async def download_document(self, provider: ProviderAddress, version: str,
                                 platform: Platform) -> DownloadFacts:

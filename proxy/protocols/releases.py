@@ -30,10 +30,11 @@ from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.models import version_sort_key
 from proxy.core.redaction import mask_secrets
-from proxy.core.releases import Product, parse_release_version
+from proxy.core.releases import Product, parse_release_version, product_named
 from proxy.core.singleflight import Offer, SingleFlight
 from proxy.core.spool import GrowingFile
 from proxy.core.waits import missed_the_cache
+from proxy.protocols.version_policy import VersionPolicy
 from proxy.store import layout
 from proxy.store.damage import DamagedFile, Dropped
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
@@ -50,6 +51,7 @@ from proxy.verification.releases import (
     signature_candidates,
     verify_release,
 )
+from proxy.verification.signatures import signature_time
 from proxy.verification.stored_drops import drop_damaged, integrity_kind, what_went
 from proxy.verification.stored_hashes import CheckedFiles, Vouch
 
@@ -63,8 +65,10 @@ class CliReleases:
 
     def __init__(self, client: ReleasesClient, archives: BlobStore, index: MetadataIndex,
                  keys: dict[str, ReleaseKeys], config: UpstreamConfig, metrics: Metrics,
-                 activity: Activity, audit: AuditLog = NO_AUDIT) -> None:
+                 activity: Activity, policy: VersionPolicy,
+                 audit: AuditLog = NO_AUDIT) -> None:
         self._client = client
+        self._policy = policy
         self._archives = archives
         self._index = index
         self._keys = keys
@@ -110,7 +114,7 @@ class CliReleases:
             try:
                 listed = await self._lists.get(
                     layout.release_list_record(product.name),
-                    lambda: self._client.listing(product),
+                    lambda: self._fetch_listing(product),
                     origin=self._client.origin(product))
             except UpstreamError as exc:  # no copy to answer stale: what is held
                 log.warning("%s release list: %s; listing the releases held", product.name,
@@ -123,8 +127,23 @@ class CliReleases:
             upstream = [name for name in listed.get(version, [])
                         if product.kind_of(version, name) != "signature" or name in files]
             merged[version] = upstream + [name for name in files if name not in upstream]
+        shown = set(await self._policy.visible("cli", product.name, f"releases/{product.name}",
+                                               list(merged)))
         return {version: merged[version]
-                for version in sorted(merged, key=version_sort_key, reverse=True)}
+                for version in sorted(merged, key=version_sort_key, reverse=True)
+                if version in shown}
+
+    async def _fetch_listing(self, product: Product) -> Listing:
+        """Upstream's list, its versions noted as seen now (the version policy's dates)."""
+        listed = await self._client.listing(product)
+        await self._policy.times.listed("cli", product.name, list(listed))
+        return listed
+
+    async def signed_at(self, product_name: str, version: str) -> float | None:
+        """When the newest verified signature over the version's SHA256SUMS was made."""
+        release = await self.release(product_named(product_name), version)
+        times = [t for t in (signature_time(s) for s in release.signatures.values()) if t]
+        return max(times, default=None)
 
     async def _held_listing(self, product: Product) -> Listing:
         """The releases the store holds: the archives stored, the SHA256SUMS and the files

@@ -267,3 +267,15 @@ def release_fill(product: str, version: str, filename: str) -> str:
     """The fill-lock name of one release file (and of its SHA256SUMS check: the file name
     SHA256SUMS)."""
     return f"release/{product}/{version}/{filename}"
+
+
+# --- release times (the version policy) --------------------------------------------------
+
+SIGHTINGS_RECORDS = "sightings/"
+
+
+def sightings_record(kind: str, address: str) -> str:
+    """The index key of when this proxy (any replica) saw each version of an address in
+    upstream's list: kind provider, module or cli; address as the artifact is named (a
+    provider's or module's full address, the CLI's product)."""
+    return f"{SIGHTINGS_RECORDS}{kind}/{address}"

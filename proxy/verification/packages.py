@@ -38,7 +38,8 @@ from proxy.upstream.documents import (
 from proxy.upstream.http import Download
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.integrity import reported
-from proxy.verification.signatures import verify_detached
+from proxy.verification.release_times import ReleaseTimes
+from proxy.verification.signatures import signature_time, verify_detached
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class VerifiedPackages:
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataIndex,
                  config: UpstreamConfig, metrics: Metrics, filters: Filters,
-                 activity: Activity) -> None:
+                 activity: Activity, release_times: ReleaseTimes | None = None) -> None:
         self._registry = registry
+        self._times = release_times
         self.filters = filters
         self._cache = cache
         self._config = config
@@ -113,9 +115,28 @@ class VerifiedPackages:
                            wanted: str | None = None) -> list[VersionEntry]:
         """Upstream's version list (refreshed early when `wanted` is not in it)."""
         return await self._versions.get(
-            layout.version_list_record(provider), lambda: self._registry.list_versions(provider),
+            layout.version_list_record(provider), lambda: self._fetch_versions(provider),
             origin=provider.hostname, knows=None if wanted is None else
             (lambda entries: any(e.version == wanted for e in entries)))
+
+    async def _fetch_versions(self, provider: ProviderAddress) -> list[VersionEntry]:
+        """Upstream's list, its versions noted as seen now (the version policy's dates)."""
+        entries = await self._registry.list_versions(provider)
+        if self._times is not None:
+            await self._times.listed("provider", str(provider), [e.version for e in entries])
+        return entries
+
+    async def signed_at(self, provider: ProviderAddress, version: str) -> float | None:
+        """When the signature over the version's SHA256SUMS was made (verifying it first,
+        from one of its platforms' download documents, if it is not yet)."""
+        entry = await self.version_entry(provider, version)
+        platforms = [p for p in entry.platforms if self.filters.platform_allowed(p)]
+        if not platforms:
+            return None
+        package = await self.package(provider, version, platforms[0])
+        sums = None if package.sums_id is None else \
+            await self.stored_sums(provider, version, package.sums_id)
+        return None if sums is None else signature_time(sums[1])
 
     async def version_entry(self, provider: ProviderAddress, version: str) -> VersionEntry:
         """One version's entry; NotFound when upstream does not list it."""

@@ -64,3 +64,13 @@ def verify_detached(data: bytes, signature: bytes, armored_keys: Sequence[str],
                              f"{whose} ({named})",
                              signed_by=issuer, keys_tried=tried)
     return str(valid[0].certificate)
+
+
+def signature_time(signature: bytes) -> float | None:
+    """When an OpenPGP signature says it was made (epoch seconds; its creation time, which
+    the signature covers); None for bytes that are not one."""
+    try:
+        created = pysequoia.Sig.from_bytes(signature).created
+    except Exception:
+        return None
+    return None if created is None else float(created.timestamp())

@@ -50,7 +50,7 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
                 audit.record("refused", named.artifact, outcome=refusal(exc), requester=requester,
                              status=exc.status, reason=exc.message,
                              cache=request.get(CACHE_RESULT_KEY),
-                             **_signature_details(exc))
+                             **_signature_details(exc), **exc.audit_details())
             raise
         finally:
             SERVED_FACTS.reset(current_facts)

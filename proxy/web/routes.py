@@ -11,7 +11,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.config import Config
-from proxy.core.audit import NO_AUDIT, AuditLog
+from proxy.core.access import pull_target
+from proxy.core.audit import NO_AUDIT, Artifact, AuditLog
 from proxy.core.errors import Forbidden, NotFound
 from proxy.core.executors import quick
 from proxy.core.held import Derived
@@ -29,9 +30,10 @@ from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport
+from proxy.protocols.version_policy import VersionPolicy
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
-from proxy.web.artifacts import ARTIFACT_ROUTES
+from proxy.web.artifacts import ARTIFACT_ROUTES, named_artifact
 from proxy.web.audit_requests import audited
 from proxy.web.auth import IDENTITY_KEY, SIGNER_KEY, TOKEN_NAME_KEY, check_allowed
 from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
@@ -57,6 +59,7 @@ CONFIG_KEY = web.AppKey("config", Config)
 AUDIT_KEY = web.AppKey("audit_log", AuditLog)
 STATUS_KEY = web.AppKey("status_report", StatusReport)
 INVENTORY_KEY = web.AppKey("inventory", Inventory)
+POLICY_KEY = web.AppKey("version_policy", VersionPolicy)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
 _HELD_BODIES = 4096
@@ -340,8 +343,9 @@ async def unmatched(request: web.Request) -> web.StreamResponse:
 
 
 def allowed(route: str, handler: Handler) -> Handler:
-    """handler, after the check that the request's identity may pull what route names
-    (a 403 before anything is looked up, written to the audit log as a refusal)."""
+    """handler, after the checks that the request's identity may pull what route names and
+    that the version policy serves the version it names: a 403 before anything is looked up,
+    written to the audit log as a refusal."""
     if route not in ARTIFACT_ROUTES:
         return handler
 
@@ -352,9 +356,25 @@ def allowed(route: str, handler: Handler) -> Handler:
             identity = request[IDENTITY_KEY]
             request.app[METRICS_KEY].auth_requests.labels(identity.method, "forbidden").inc()
             raise
+        policy = request.app.get(POLICY_KEY)
+        if policy is not None and policy.config.active:
+            named = named_artifact(route, request.match_info)
+            if named is not None and named.artifact.version is not None:
+                await _require_policy(policy, named.artifact)
         return await handler(request)
 
     return checked
+
+
+async def _require_policy(policy: VersionPolicy, artifact: Artifact) -> None:
+    """PolicyRefused unless the policy serves artifact's version now."""
+    assert artifact.version is not None
+    address = "/".join(part for part in (artifact.host, artifact.namespace, artifact.name,
+                                         artifact.system) if part)
+    target = pull_target(artifact.kind, artifact.host, artifact.namespace, artifact.name)
+    platform = f" {artifact.os}_{artifact.arch}" if artifact.os and artifact.arch else ""
+    await policy.require(artifact.kind, address, target, artifact.version,
+                         f"{address} {artifact.version}{platform}")
 
 
 def add_routes(app: web.Application, guard: Guard, audit: AuditLog = NO_AUDIT,

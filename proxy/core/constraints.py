@@ -69,3 +69,9 @@ def newest_matching(versions: Iterable[str], constraint: str) -> str | None:
                   if all(_satisfies(v, op, w) for op, w in pairs)
                   and (not _parts(v)[1] or v in exact)]
     return max(candidates, key=_key, default=None)
+
+
+def satisfies(version: str, constraint: str) -> bool:
+    """Whether version meets every part of the constraint (pre-releases included: a policy
+    rule about a range covers its pre-releases too)."""
+    return all(_satisfies(version, op, wanted) for op, wanted in parse_constraint(constraint))

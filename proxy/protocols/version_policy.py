@@ -1,0 +1,213 @@
+"""The version policy, as every protocol asks it (proxy.config.policy judges; this finds the
+release times and keeps the answers consistent): a version that is too new or denied is left
+out of every version list and refused on direct request (403: PolicyRefused) before anything
+is looked up, on the network mirror, the provider and module registry protocols, the OCI
+endpoint and the CLI releases alike. `[policy]` is replaced on SIGHUP (reload)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any
+
+from proxy.config.policy import SERVED, Verdict, iso, judge, needs_release_time
+from proxy.config.settings import PolicyConfig
+from proxy.core.access import pull_target
+from proxy.core.activity import Activity
+from proxy.core.errors import Forbidden, ProxyError
+from proxy.core.metrics import Metrics
+from proxy.core.models import ModuleAddress, ProviderAddress, version_sort_key
+from proxy.verification.release_times import ReleaseTimes
+
+log = logging.getLogger(__name__)
+
+# How a kind's signature time is found: (address, version) -> epoch seconds, or None.
+SignedAt = Callable[[str, str], Awaitable[float | None]]
+# A version list waits at most this long for release times it lacks (Terraform gives a
+# registry request 10 s); the rest are found in the background and show on a later request.
+LIST_BUDGET_SECONDS = 4.0
+_AT_ONCE = 8
+
+
+class PolicyRefused(Forbidden):
+    """A version the policy does not serve (now): why, and when it will be."""
+
+    def __init__(self, verdict: Verdict, address: str, version: str) -> None:
+        super().__init__(verdict.message(address, version))
+        self.verdict = verdict
+
+    def audit_outcome(self) -> str:
+        """policy_cooldown or policy_deny."""
+        return f"policy_{self.verdict.kind}"
+
+    def audit_details(self) -> dict[str, object]:
+        """The entry that refused it, and for a cooldown when it will be served."""
+        when = self.verdict.available_at
+        return {"rule": self.verdict.rule, "available_at": None if when is None else iso(when)}
+
+
+class VersionPolicy:
+    """The policy in force, the release times it needs, and the refusals it makes."""
+
+    def __init__(self, config: PolicyConfig, times: ReleaseTimes, metrics: Metrics,
+                 activity: Activity, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.times = times
+        self._metrics = metrics
+        self._activity = activity
+        self._clock = clock
+        self._signed: dict[str, SignedAt] = {}
+        # Release times found, by (kind, address, version): they never change.
+        self._released: dict[tuple[str, str, str], float] = {}
+        self._finding: dict[tuple[str, str, str], asyncio.Task[float | None]] = {}
+
+    def dated_by(self, kind: str, signed_at: SignedAt) -> None:
+        """How the signature time of a version of kind (provider, cli) is found."""
+        self._signed[kind] = signed_at
+
+    def reload(self, config: PolicyConfig) -> None:
+        """Put a new policy in force (SIGHUP)."""
+        self.config = config
+        log.info("version policy: %s", describe(config))
+
+    async def close(self) -> None:
+        """Stop release-time lookups under way (shutdown)."""
+        for task in list(self._finding.values()):
+            task.cancel()
+        await asyncio.gather(*self._finding.values(), return_exceptions=True)
+
+    async def verdict(self, kind: str, address: str, target: str, version: str) -> Verdict:
+        """The verdict on version of the artifact at address (target: the address as the
+        policy matches it, proxy.core.access.pull_target)."""
+        config = self.config
+        if not config.active:
+            return SERVED
+        released = None
+        if needs_release_time(config, target):
+            released = await self.released_at(kind, address, version)
+        return judge(config, target, version, released, self._clock())
+
+    async def require(self, kind: str, address: str, target: str, version: str,
+                      artifact: str | None = None) -> None:
+        """PolicyRefused (403) unless the policy serves version now; counted, listed on the
+        status page."""
+        verdict = await self.verdict(kind, address, target, version)
+        if verdict.served:
+            return
+        assert verdict.kind is not None
+        self._metrics.policy_refusals.labels(verdict.kind).inc()
+        refused = PolicyRefused(verdict, target, version)
+        self._activity.policy_refusal(artifact or f"{address} {version}", verdict.kind,
+                                      refused.message, verdict.rule)
+        raise refused
+
+    async def visible(self, kind: str, address: str, target: str,
+                      versions: Sequence[str]) -> list[str]:
+        """The versions the policy serves now, in the order given. Release times not known
+        yet are looked up (newest first, a few at once) for at most LIST_BUDGET_SECONDS;
+        those still unknown count as new until they are."""
+        config = self.config
+        if not config.active:
+            return list(versions)
+        if needs_release_time(config, target):
+            missing = sorted((v for v in versions if (kind, address, v) not in self._released),
+                             key=_newest_first, reverse=True)
+            await self._find_some(kind, address, missing)
+        now = self._clock()
+        return [version for version in versions
+                if judge(config, target, version, self._released.get((kind, address, version)),
+                         now).served]
+
+    async def released_at(self, kind: str, address: str, version: str) -> float | None:
+        """The release time this proxy can vouch for (None: not known yet)."""
+        key = (kind, address, version)
+        found = self._released.get(key)
+        if found is not None:
+            return found
+        task = self._finding.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._find(kind, address, version))
+            self._finding[key] = task
+            task.add_done_callback(lambda _task: self._finding.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _find_some(self, kind: str, address: str, versions: list[str]) -> None:
+        if not versions:
+            return
+        limit = asyncio.Semaphore(_AT_ONCE)
+
+        async def one(version: str) -> None:
+            async with limit:
+                await self.released_at(kind, address, version)
+
+        pending = [asyncio.ensure_future(one(version)) for version in versions]
+        _done, late = await asyncio.wait(pending, timeout=LIST_BUDGET_SECONDS)
+        if late:  # they go on (shielded lookups); a later list shows what they find
+            log.info("version policy: %d release times of %s are still being looked up",
+                     len(late), address)
+
+    async def _find(self, kind: str, address: str, version: str) -> float | None:
+        try:
+            if kind == "module":
+                found = await self.times.first_seen(kind, address, version)
+            else:
+                signed = self._signed.get(kind)
+                signed_at = None if signed is None else await signed(address, version)
+                found = await self.times.signed_release(kind, address, version, signed_at)
+        except ProxyError as exc:  # unknown for now: counts as new, tried again later
+            log.debug("version policy: no release time for %s %s: %s", address, version,
+                      exc.message)
+            return None
+        if found is not None:
+            self._released[(kind, address, version)] = found
+        return found
+
+    async def list_tag(self, kind: str, address: str, target: str,
+                       versions: Sequence[str]) -> Hashable:
+        """What a held version list document depends on besides the list itself: the
+        versions the policy shows now (None while it is off)."""
+        if not self.config.active:
+            return None
+        return tuple(await self.visible(kind, address, target, versions))
+
+    def rules_document(self) -> dict[str, Any]:
+        """The policy in force, for the status page."""
+        config = self.config
+        return {
+            "min_release_age": config.min_release_age,
+            "rules": [{"match": r.match, "min_release_age": r.min_release_age}
+                      for r in config.rules],
+            "deny": [{"match": d.match, "versions": d.versions, "reason": d.reason}
+                     for d in config.deny],
+            "allow": [{"match": a.match, "versions": a.versions, "reason": a.reason}
+                      for a in config.allow],
+        }
+
+
+def describe(config: PolicyConfig) -> str:
+    """One line on the policy in force, for the log."""
+    if not config.active and not config.allow:
+        return "off (every version is served)"
+    return (f"cooldown {int(config.min_release_age)} s by default, {len(config.rules)} "
+            f"rule(s), {len(config.deny)} deny and {len(config.allow)} allow entries")
+
+
+def _newest_first(version: str) -> tuple[Any, ...]:
+    try:
+        return (1, version_sort_key(version))
+    except ValueError:
+        return (0, version)
+
+
+
+
+def provider_target(provider: ProviderAddress) -> str:
+    """A provider's address as the policy matches it."""
+    return pull_target("provider", provider.hostname, provider.namespace, provider.type)
+
+
+def module_target(module: ModuleAddress) -> str:
+    """A module's address as the policy matches it (its target system is not matched)."""
+    return pull_target("module", module.hostname, module.namespace, module.name)
