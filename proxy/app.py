@@ -144,8 +144,12 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     storage = await open_storage(config.cache, metrics, opened)
     archives, cache = storage.blobs, storage.index
     activity = Activity()  # what the status page shows, recorded where it happens
+    times = ReleaseTimes(cache)
+    policy = VersionPolicy(config.policy, times, metrics, activity, audit)
+    opened.push_async_callback(policy.close)
+    app[POLICY_KEY] = policy
     status = StatusReport(config, activity, metrics, archives,
-                          SnapshotShare(snapshot_directory(config)))
+                          SnapshotShare(snapshot_directory(config)), policy.rules_document)
     await opened.enter_async_context(status.sharing())
     app[STATUS_KEY] = status
     app[PULLS_KEY] = PullCounter(activity, name_clients=audit.enabled)
@@ -163,10 +167,6 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     # One view of what is served (hosts, then filters), shared by every service.
     filters = Filters(config.filters, config.upstream)
     discovery = Discovery(http, config.upstream, filters)
-    times = ReleaseTimes(cache)
-    policy = VersionPolicy(config.policy, times, metrics, activity)
-    opened.push_async_callback(policy.close)
-    app[POLICY_KEY] = policy
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
                                 config.upstream, metrics, filters, activity, times)
     opened.push_async_callback(packages.close)

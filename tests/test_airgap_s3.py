@@ -241,9 +241,9 @@ async def test_an_import_failing_part_way_leaves_the_bucket_as_it_was(
     monkeypatch.setattr(proxy.store.s3_index.S3Index, "set", real_set)
     # Blobs went in first, then every record: each one made is deleted again, and the
     # version list it replaced is put back.
-    assert written[:4] == [f"package/{NULL}/3.2.1/darwin_arm64",
+    assert written[:5] == [f"package/{NULL}/3.2.1/darwin_arm64",
                            f"module-archive/{NET}/1.2.0", f"module-versions/{NET}",
-                           f"versions/{NULL}"]
+                           f"sightings/module/{NET}", f"versions/{NULL}"]
     assert bucket_state(s3_server, bucket) == before
     after = await served_offline(aiohttp_client, inside, registry)
     assert {path: status for path, (status, _body) in after.items()} == {

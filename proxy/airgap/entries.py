@@ -84,6 +84,9 @@ class ModuleEntry:
     module: ModuleAddress
     version: str
     archive: str  # the member
+    # When the exporting proxy first saw the version in upstream's list (epoch seconds;
+    # None: not known): the version policy's cooldown counts from it.
+    first_seen: float | None = None
 
     def __str__(self) -> str:
         return f"{self.module} {self.version}"
@@ -302,8 +305,13 @@ def _module(item: object, where: str, roles: _Roles) -> ModuleEntry:
         raise BundleError(f"{MANIFEST}: {where}: {exc.message}") from None
     version: str = fields.parsed("version", parse_module_version)
     fields.where = f"{where} ({module} {version})"
+    first_seen = fields.value.get("first_seen")
+    if first_seen is not None and (isinstance(first_seen, bool) or
+                                   not isinstance(first_seen, int | float) or first_seen < 0):
+        raise fields.fail("first_seen", f"{shown(first_seen)} is not a time (epoch seconds)")
     return ModuleEntry(module, version, roles.claim(
-        fields, "archive", f"the archive of module {module} {version}"))
+        fields, "archive", f"the archive of module {module} {version}"),
+        None if first_seen is None else float(first_seen))
 
 
 def _release(item: object, where: str, roles: _Roles) -> ReleaseEntry:

@@ -41,6 +41,7 @@ from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobStore, OpenBlob, Storage
 from proxy.store.s3_objects import Conflict
 from proxy.upstream.documents import without_upstream_urls
+from proxy.verification.release_times import first_sightings
 from proxy.verification.releases import VerifiedRelease
 
 _CHUNK = 1 << 20
@@ -247,10 +248,14 @@ async def _export_from(storage: Storage, output: Path, requirements: list[Requir
                 if not await add_blob(member, key, recorded, f"module {module} {version}",
                                       (module, version)):
                     continue
+                first_seen = first_sightings(await index.get(
+                    layout.sightings_record("module", str(module)))).get(version)
                 manifest["modules"].append({
                     "hostname": module.hostname, "namespace": module.namespace,
                     "name": module.name, "system": module.system, "version": version,
-                    "archive": member})
+                    "archive": member,
+                    # The version policy's age of a module: carried across the air gap.
+                    **({} if first_seen is None else {"first_seen": first_seen})})
                 lines.append((Artifact.module(module, version), manifest["files"][member]["size"],
                               manifest["files"][member]["sha256"], None))
             if requirements is None:  # the whole cache: its CLI releases too

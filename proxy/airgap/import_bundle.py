@@ -6,6 +6,7 @@ anything enters the cache; any mismatch refuses the whole bundle. A directory wr
 from __future__ import annotations
 
 import tarfile
+import time
 import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -38,6 +39,7 @@ from proxy.store import layout
 from proxy.upstream.documents import parse_sha256sums
 from proxy.verification.hashes import h1_of_zip, sha256_of_path
 from proxy.verification.packages import UNSIGNED_ALLOWED_HOSTS, VerifiedPackage
+from proxy.verification.release_times import with_carried
 from proxy.verification.releases import (
     ReleaseKeyError,
     VerifiedRelease,
@@ -121,7 +123,8 @@ def _import_from(config: Config, tar: tarfile.TarFile,
         packages = [(entry, package) for entry, package, _signer in verified]
         signers = {entry.sums_key: signer for entry, _package, signer in verified}
         old_packages = _plan_packages(target, staged, packages, signers)
-        old_modules = _plan_modules(target, staged, listed, contents.modules)
+        old_modules = _plan_modules(target, staged, listed, contents.modules,
+                                     time.time())
         for version_list in contents.versions:
             plan_list(target, layout.version_list_record(version_list.provider),
                       list(version_list.entries), lambda v: v["version"])
@@ -250,7 +253,8 @@ def _plan_packages(target: ImportTarget, staged: dict[str, Path],
 
 
 def _plan_modules(target: ImportTarget, staged: dict[str, Path],
-                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry]) -> set[str]:
+                  listed: dict[str, tuple[int, str]], modules: Sequence[ModuleEntry],
+                  imported_at: float) -> set[str]:
     """Plan the module archives, the sha256 each is served and exported against, and their
     version lists; returns the store keys of those the cache already holds. A different
     archive under the same name refuses the bundle."""
@@ -271,7 +275,18 @@ def _plan_modules(target: ImportTarget, staged: dict[str, Path],
             target.set_record(record_key, {"sha256": sha256, "size": size, "stored_as": None})
         plan_list(target, layout.module_version_list_record(entry.module), [entry.version],
                   str)
+        _plan_first_seen(target, entry, imported_at)
     return present
+
+
+def _plan_first_seen(target: ImportTarget, entry: ModuleEntry, imported_at: float) -> None:
+    """The module version's first sighting (the version policy's age of a module): the one
+    the bundle carries, else now (the bundle is the first this proxy saw of it); a proxy's
+    own earlier one stays."""
+    key = layout.sightings_record("module", str(entry.module))
+    record = target.planned(key) or target.record(key)
+    when = imported_at if entry.first_seen is None else min(entry.first_seen, imported_at)
+    target.set_record(key, with_carried(record, {entry.version: when}))
 
 
 def import_mirror_directory(config: Config, directory: Path) -> Counts:

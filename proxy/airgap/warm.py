@@ -64,12 +64,13 @@ class _Progress:
 async def warm(base_url: str, requirements: list[Requirement | CliRequirement],
                platforms: list[str],
                context: ssl.SSLContext | None = None, token: str | None = None,
-               out: TextIO = sys.stderr, unix_socket: str | None = None
+               out: TextIO | None = None, unix_socket: str | None = None
                ) -> list[WarmResult]:
     """Warm through the proxy at base_url (over unix_socket if given); returns one result
     per requirement."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    progress = _Progress(out)
+    # sys.stderr as it is now (a default argument would be the one at import time).
+    progress = _Progress(sys.stderr if out is None else out)
     limit = asyncio.Semaphore(_CONCURRENCY)
     connector: aiohttp.BaseConnector = (
         aiohttp.UnixConnector(path=unix_socket) if unix_socket is not None
@@ -192,7 +193,7 @@ async def _cli(session: aiohttp.ClientSession, requirement: CliRequirement,
 
 async def warm_cache(config: Config, requirements: list[Requirement | CliRequirement],
                      platforms: list[str],
-                     out: TextIO = sys.stderr) -> list[WarmResult]:
+                     out: TextIO | None = None) -> list[WarmResult]:
     """Warm the cache directory of `config` with a proxy started in this process, which
     stops when done. It listens on a unix socket in a private directory: no other local user
     can use it (or the upstream credentials it holds) meanwhile."""

@@ -1,5 +1,5 @@
 """Command line: `serve`, `client-config`, `healthcheck`, `tls`, and the air-gap commands
-`warm`, `export`, `import`, `keygen` and `keys`, and `prune` and `cache`; one module per
+`warm`, `export`, `import`, `keygen` and `keys`, `prune` and `cache`, and `policy`; one module per
 command group."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from proxy.cli.client_config import ClientConfigError, render_client_config
 from proxy.cli.healthcheck import healthcheck
 from proxy.cli.keys import keygen, keys_export, tls
 from proxy.cli.logs import configure_logging
+from proxy.cli.policy import policy_command
 from proxy.cli.prune import prune_command
 from proxy.cli.serve import serve
 from proxy.config import ConfigError, load_config
@@ -59,4 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return prune_command(config, args)
     if args.command == "cache":
         return cache_command(config, args)
+    if args.command == "policy":
+        return policy_command(config, args)
     return serve(config)

@@ -9,6 +9,7 @@ from proxy import __version__
 from proxy.airgap.signing import PUBLIC_KEY_FILE, SECRET_KEY_FILE
 from proxy.cli.cache import add_cache_commands
 from proxy.cli.client_config import MODES as CLIENT_CONFIG_MODES
+from proxy.cli.policy import add_policy_options
 from proxy.cli.prune import add_prune_options
 
 _EPILOGS = {
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("tls", "show the generated CA, or replace it (rotate)"),
                        ("prune", "remove what the cache holds that was not used lately "
                                  "(run it from cron; the same as `cache prune`)"),
-                       ("cache", "list, verify, prune or count what the cache holds")):
+                       ("cache", "list, verify, prune or count what the cache holds"),
+                       ("policy", "check which versions the version policy ([policy]) hides, "
+                                  "why, and from when they will be served")):
         command = commands.add_parser(name, help=text, description=text,
                                       epilog=_EPILOGS.get(name))
         if name == "cache":  # its commands take --config themselves
@@ -131,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "client must then trust the new one)")
         if name == "prune":
             add_prune_options(command)
+        if name == "policy":
+            add_policy_options(command)
         if name == "client-config":
             command.add_argument(
                 "--mode", choices=CLIENT_CONFIG_MODES, default="mirror",

@@ -15,15 +15,18 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from proxy.app import create_app
 from proxy.cli.messages import fail
+from proxy.cli.policy_reload import reload_policy
 from proxy.config import Config
 from proxy.core.errors import ProxyError
 from proxy.store.disk_space import describe_start_failure
 from proxy.web.access_log import ACCESS_LOGGER, JsonAccessLogger, PlainAccessLogger
 from proxy.web.auth import SigningKeyError
 from proxy.web.http_server import ProxyRunner
-from proxy.web.routes import AUDIT_KEY, METRICS_KEY
+from proxy.web.routes import AUDIT_KEY, METRICS_KEY, POLICY_KEY
 from proxy.web.shutdown import StopSignals, stop_serving
 from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
 
@@ -65,6 +68,11 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> str:
         return (f"server.listen: cannot listen on {host}:{port}: already in use (another "
                 "program, or another tf-registry-proxy, listens there)")
     return f"server.listen: cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+def _hangup(config: Config, app: web.Application) -> None:
+    app[AUDIT_KEY].reopen()
+    reload_policy(config, app[POLICY_KEY])
 
 
 def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
@@ -116,8 +124,9 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
     signals = StopSignals()
     # A worker (reuse_port) ignores SIGINT: its parent takes Ctrl-C and forwards SIGTERM.
     signals.install((signal.SIGTERM,) if reuse_port else (signal.SIGTERM, signal.SIGINT))
-    # logrotate's way: rename the file, then SIGHUP; the next audit line opens a new one.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, runner.app[AUDIT_KEY].reopen)
+    # SIGHUP: logrotate's way (rename the file, then SIGHUP; the next audit line opens a new
+    # one), and the version policy read again from the configuration file.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _hangup, config, runner.app)
     await signals.stop.wait()
     log.info("shutting down: no new connections; responses under way get %g s to finish",
              server.shutdown_timeout)

@@ -55,7 +55,7 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
     env_problems = _apply_env(raw, env)
 
     config = parse_tables(raw, env_problems)
-    return _with_env_tokens(config, env)
+    return replace(_with_env_tokens(config, env), source=path)
 
 
 def _with_env_tokens(config: Config, env: Mapping[str, str]) -> Config:

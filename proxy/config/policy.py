@@ -48,11 +48,6 @@ def cooldown_of(policy: PolicyConfig, address: str) -> tuple[float, str]:
     return policy.min_release_age, "policy.min_release_age"
 
 
-def needs_release_time(policy: PolicyConfig, address: str) -> bool:
-    """Whether judging a version of address may need its release time (a cooldown applies)."""
-    return cooldown_of(policy, address)[0] > 0
-
-
 def judge(policy: PolicyConfig, address: str, version: str, released_at: float | None,
           now: float) -> Verdict:
     """The verdict on version of address, released at released_at (epoch seconds; None:
@@ -88,9 +83,13 @@ def _covers(versions: str | None, version: str) -> bool:
 
 
 def duration_text(seconds: float) -> str:
-    """72h, 30m, 2d: the largest unit that divides it."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
+    """As people write it: 72h, 30m, 14d ("0": none); days from a week up."""
+    if seconds <= 0:
+        return "0"
+    if seconds % 86400 == 0 and seconds >= 7 * 86400:
+        return f"{int(seconds // 86400)}d"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
     return f"{int(seconds)}s"
 

@@ -325,6 +325,8 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     releases: ReleasesConfig = field(default_factory=ReleasesConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The file it was read from (None: defaults only): SIGHUP reads [policy] from it again.
+    source: Path | None = field(default=None, compare=False)
 
 
 # The scalar keys, by table, that TF_REGISTRY_PROXY_<TABLE>_<KEY> may set (a nested table's

@@ -54,8 +54,8 @@ class ProviderRegistryService:
         """`:namespace/:type/versions`, with protocols and (allowed) platforms, from upstream's
         list (offline: what of it is held)."""
         entries = await self._stored.held_when_offline(provider, entries)
-        shown = set(await self._policy.visible("provider", str(provider),
-                                               provider_target(provider),
+        target = provider_target(provider)
+        shown = set(await self._policy.visible("provider", str(provider), target,
                                                [e.version for e in entries]))
         listed = []
         for entry in (e for e in entries if e.version in shown):
@@ -64,7 +64,9 @@ class ProviderRegistryService:
                 [p for p in entry.platforms if self._filters.platform_allowed(p)])
             listed.append({"version": entry.version, "protocols": list(entry.protocols),
                            "platforms": [{"os": p.os, "arch": p.arch} for p in platforms]})
-        return {"versions": listed}
+        # Why versions are missing (the version policy), as Terraform prints them.
+        warnings = self._policy.warnings("provider", str(provider), target)
+        return {"versions": listed, **({"warnings": warnings} if warnings else {})}
 
     async def list_versions_body(self, provider: ProviderAddress) -> JsonBody:
         """`versions` as sent: serialized once per version list read (online), or per look

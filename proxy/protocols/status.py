@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,10 @@ class StatusReport:
     """Builds the status document; shares this process's snapshot while it runs."""
 
     def __init__(self, config: Config, activity: Activity, metrics: Metrics,
-                 blobs: BlobStore, share: SnapshotShare) -> None:
+                 blobs: BlobStore, share: SnapshotShare,
+                 policy_rules: Callable[[], dict[str, Any]] | None = None) -> None:
         self._config = config
+        self._policy_rules = policy_rules  # the version policy in force (it changes on SIGHUP)
         self.activity = activity  # the recorder this process reports
         self._metrics = metrics
         self._blobs = blobs
@@ -133,6 +135,10 @@ class StatusReport:
             "identities": [{"name": name, "pulls": count}
                            for name, count in merged.get("identities", [])]
             if self._config.auth.enabled else None,
+            # The version policy in force, and the versions it refused lately.
+            "policy": None if self._policy_rules is None else self._policy_rules(),
+            "policy_refusals": [{**refusal, "time": _iso(refusal["time"])}
+                                for refusal in merged.get("policy_refusals", [])],
         }
 
 

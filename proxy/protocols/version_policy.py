@@ -9,14 +9,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
-from proxy.config.policy import SERVED, Verdict, iso, judge, needs_release_time
+from proxy.config.policy import (
+    SERVED,
+    Verdict,
+    duration_text,
+    iso,
+    judge,
+)
 from proxy.config.settings import PolicyConfig
 from proxy.core.access import pull_target
 from proxy.core.activity import Activity
+from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, Requester
 from proxy.core.errors import Forbidden, ProxyError
+from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.models import ModuleAddress, ProviderAddress, version_sort_key
 from proxy.verification.release_times import ReleaseTimes
@@ -29,6 +38,14 @@ SignedAt = Callable[[str, str], Awaitable[float | None]]
 # registry request 10 s); the rest are found in the background and show on a later request.
 LIST_BUDGET_SECONDS = 4.0
 _AT_ONCE = 8
+# Version lists whose hidden versions are remembered (for warnings and audit lines).
+_HELD = 4096
+# The hidden versions a registry `warnings` names, newest first.
+_WARNED = 5
+# A client listing again is told (an audit line) about the same hidden version this rarely.
+_TELL_AGAIN_SECONDS = 600.0
+# A version a list left out, and the verdict that did.
+Hidden = tuple[str, Verdict]
 
 
 class PolicyRefused(Forbidden):
@@ -37,6 +54,11 @@ class PolicyRefused(Forbidden):
     def __init__(self, verdict: Verdict, address: str, version: str) -> None:
         super().__init__(verdict.message(address, version))
         self.verdict = verdict
+        self.advice = (
+            "pin a version the rule does not cover, or change [[policy.deny]] and reload "
+            "(SIGHUP)" if verdict.kind == "deny" else
+            "use an older version until then, or add a [[policy.allow]] exception and reload "
+            "(SIGHUP)")
 
     def audit_outcome(self) -> str:
         """policy_cooldown or policy_deny."""
@@ -52,16 +74,22 @@ class VersionPolicy:
     """The policy in force, the release times it needs, and the refusals it makes."""
 
     def __init__(self, config: PolicyConfig, times: ReleaseTimes, metrics: Metrics,
-                 activity: Activity, clock: Callable[[], float] = time.time) -> None:
+                 activity: Activity, audit: AuditLog = NO_AUDIT,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.times = times
         self._metrics = metrics
         self._activity = activity
+        self._audit = audit
         self._clock = clock
         self._signed: dict[str, SignedAt] = {}
         # Release times found, by (kind, address, version): they never change.
         self._released: dict[tuple[str, str, str], float] = {}
         self._finding: dict[tuple[str, str, str], asyncio.Task[float | None]] = {}
+        # What the last version list of each address left out, and why.
+        self._hidden: OrderedDict[tuple[str, str], tuple[Hidden, ...]] = OrderedDict()
+        # When a client was last told (logged, audited) what a list of an address hid.
+        self._told: OrderedDict[tuple[str | None, str, str], float] = OrderedDict()
 
     def dated_by(self, kind: str, signed_at: SignedAt) -> None:
         """How the signature time of a version of kind (provider, cli) is found."""
@@ -84,9 +112,10 @@ class VersionPolicy:
         config = self.config
         if not config.active:
             return SERVED
-        released = None
-        if needs_release_time(config, target):
-            released = await self.released_at(kind, address, version)
+        found = judge(config, target, version, None, self._clock())
+        if found.kind != "cooldown":  # decided without its age: a deny or allow entry
+            return found
+        released = await self.released_at(kind, address, version)
         return judge(config, target, version, released, self._clock())
 
     async def require(self, kind: str, address: str, target: str, version: str,
@@ -105,20 +134,67 @@ class VersionPolicy:
 
     async def visible(self, kind: str, address: str, target: str,
                       versions: Sequence[str]) -> list[str]:
-        """The versions the policy serves now, in the order given. Release times not known
-        yet are looked up (newest first, a few at once) for at most LIST_BUDGET_SECONDS;
-        those still unknown count as new until they are."""
+        """The versions the policy serves now, in the order given (what it leaves out:
+        hidden). Release times not known yet are looked up (newest first, a few at once) for
+        at most LIST_BUDGET_SECONDS; those still unknown count as new until they are."""
         config = self.config
         if not config.active:
+            self._hidden.pop((kind, address), None)
             return list(versions)
-        if needs_release_time(config, target):
-            missing = sorted((v for v in versions if (kind, address, v) not in self._released),
-                             key=_newest_first, reverse=True)
-            await self._find_some(kind, address, missing)
         now = self._clock()
-        return [version for version in versions
-                if judge(config, target, version, self._released.get((kind, address, version)),
-                         now).served]
+        dated = [v for v in versions if (kind, address, v) not in self._released
+                 and judge(config, target, v, None, now).kind == "cooldown"]
+        await self._find_some(kind, address, sorted(dated, key=newest_first, reverse=True))
+        now = self._clock()
+        shown, hidden = [], []
+        for version in versions:
+            verdict = judge(config, target, version,
+                            self._released.get((kind, address, version)), now)
+            if verdict.served:
+                shown.append(version)
+            else:
+                hidden.append((version, verdict))
+        keep_recent(self._hidden, (kind, address), tuple(hidden), _HELD)
+        return shown
+
+    def hidden(self, kind: str, address: str) -> tuple[Hidden, ...]:
+        """What the last version list of address left out, and why (newest first)."""
+        return tuple(sorted(self._hidden.get((kind, address), ()),
+                            key=lambda found: newest_first(found[0]), reverse=True))
+
+    def warnings(self, kind: str, address: str, target: str) -> list[str]:
+        """The registry protocol's `warnings` for a version list that hid versions: Terraform
+        prints them (a lock file pinning one then fails with the reason beside it)."""
+        hidden = self.hidden(kind, address)
+        told = [verdict.message(target, version) for version, verdict in hidden[:_WARNED]]
+        if len(hidden) > _WARNED:
+            told.append(f"{len(hidden) - _WARNED} older versions of {target} are hidden by "
+                        "the version policy too")
+        return told
+
+    def tell_hidden(self, kind: str, address: str, target: str,
+                    requester: Requester) -> None:
+        """Say which versions the last list of address hid: a WARNING line, and a `refused`
+        audit line per version, once per client every _TELL_AGAIN_SECONDS (clients list
+        often; a lock file pinning a hidden version fails on the list alone)."""
+        hidden = self.hidden(kind, address)
+        key = (requester.client, kind, address)
+        told = self._told.get(key)
+        now = time.monotonic()
+        if not hidden or (told is not None and now - told < _TELL_AGAIN_SECONDS):
+            return
+        keep_recent(self._told, key, now, _HELD)
+        log.warning("%s: the version policy left %s out of the version list sent to %s",
+                    target, "; ".join(_why(version, verdict) for version, verdict in
+                                      hidden[:_WARNED])
+                    + (f"; and {len(hidden) - _WARNED} more" if len(hidden) > _WARNED else ""),
+                    requester.client or "a local command")
+        for version, verdict in hidden:
+            refused = PolicyRefused(verdict, target, version)
+            self._audit.record("refused", _artifact(kind, address, version),
+                               outcome=refused.audit_outcome(), requester=requester,
+                               status=200, reason=f"left out of the version list: "
+                               f"{refused.message}", **refused.audit_details())
 
     async def released_at(self, kind: str, address: str, version: str) -> float | None:
         """The release time this proxy can vouch for (None: not known yet)."""
@@ -173,11 +249,12 @@ class VersionPolicy:
         return tuple(await self.visible(kind, address, target, versions))
 
     def rules_document(self) -> dict[str, Any]:
-        """The policy in force, for the status page."""
+        """The policy in force, for the status page (durations as configured: "72h")."""
         config = self.config
         return {
-            "min_release_age": config.min_release_age,
-            "rules": [{"match": r.match, "min_release_age": r.min_release_age}
+            "active": config.active,
+            "min_release_age": duration_text(config.min_release_age),
+            "rules": [{"match": r.match, "min_release_age": duration_text(r.min_release_age)}
                       for r in config.rules],
             "deny": [{"match": d.match, "versions": d.versions, "reason": d.reason}
                      for d in config.deny],
@@ -190,17 +267,34 @@ def describe(config: PolicyConfig) -> str:
     """One line on the policy in force, for the log."""
     if not config.active and not config.allow:
         return "off (every version is served)"
-    return (f"cooldown {int(config.min_release_age)} s by default, {len(config.rules)} "
+    return (f"cooldown {duration_text(config.min_release_age)} by default, {len(config.rules)} "
             f"rule(s), {len(config.deny)} deny and {len(config.allow)} allow entries")
 
 
-def _newest_first(version: str) -> tuple[Any, ...]:
+def _why(version: str, verdict: Verdict) -> str:
+    if verdict.kind == "deny":
+        return f"{version} (denied: {verdict.rule})"
+    until = "release time not known yet" if verdict.available_at is None else \
+        f"served from {iso(verdict.available_at)}"
+    return f"{version} (cooldown, {verdict.rule}: {until})"
+
+
+def _artifact(kind: str, address: str, version: str) -> Artifact:
+    """The audit log's name for version of the artifact at address."""
+    if kind == "cli":
+        return Artifact.release(address, version)
+    host, namespace, name, *system = [*address.split("/"), "", ""][:4]
+    return Artifact(kind, host, namespace, name, version,
+                    system=system[0] or None if kind == "module" else None)
+
+
+def newest_first(version: str) -> tuple[Any, ...]:
+    """A sort key that puts the newest version last (reverse=True: first); versions that do
+    not parse sort below the rest."""
     try:
         return (1, version_sort_key(version))
     except ValueError:
         return (0, version)
-
-
 
 
 def provider_target(provider: ProviderAddress) -> str:

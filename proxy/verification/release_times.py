@@ -70,22 +70,13 @@ class ReleaseTimes:
         """First sightings a bundle carried (version -> time): the earlier of it and this
         proxy's own."""
         key = layout.sightings_record(kind, address)
-        record = await self._index.get(key) or {}
-        seen = dict(record.get("versions") or {})
-        for version, when in dates.items():
-            mine = seen.get(version)
-            first = _number(mine[0]) if isinstance(mine, list) and mine else None
-            if first is None or when < first:
-                seen[version] = [when, mine[1] if isinstance(mine, list) and len(mine) > 1
-                                 else None]
-        updated = {**record, "versions": seen}
+        updated = with_carried(await self._index.get(key), dates)
         await self._index.set(key, updated)
         self._hold(key, updated)
 
     async def sightings(self, kind: str, address: str) -> dict[str, float]:
-        """Every version's first sighting (for export)."""
-        return {version: first for version, found in (await self._versions(kind, address)).items()
-                if isinstance(found, list) and found and (first := _number(found[0])) is not None}
+        """Every version's first sighting (for export and `policy check`)."""
+        return first_sightings({"versions": await self._versions(kind, address)})
 
     async def _versions(self, kind: str, address: str) -> dict[str, Any]:
         key = layout.sightings_record(kind, address)
@@ -100,6 +91,29 @@ class ReleaseTimes:
         if len(self._held) >= _HELD:
             self._held.clear()
         self._held[key] = (time.monotonic(), record)
+
+
+def with_carried(record: dict[str, Any] | None, dates: dict[str, float]) -> dict[str, Any]:
+    """A sightings record with the first sightings a bundle carried (version -> time)
+    merged in: for each version the earlier of the two."""
+    record = record if isinstance(record, dict) else {}
+    seen = dict(record.get("versions") or {})
+    for version, when in dates.items():
+        mine = seen.get(version)
+        first = _number(mine[0]) if isinstance(mine, list) and mine else None
+        if first is None or when < first:
+            seen[version] = [when, mine[1] if isinstance(mine, list) and len(mine) > 1
+                             else None]
+    return {**record, "versions": seen}
+
+
+def first_sightings(record: object) -> dict[str, float]:
+    """Every version's first sighting in a sightings record (what export carries)."""
+    versions = record.get("versions") if isinstance(record, dict) else None
+    if not isinstance(versions, dict):
+        return {}
+    return {str(version): first for version, found in versions.items()
+            if isinstance(found, list) and found and (first := _number(found[0])) is not None}
 
 
 def _number(value: object) -> float | None:

@@ -35,9 +35,7 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         return named_artifact(route, request.match_info)
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        identity = request.get(IDENTITY_KEY)
-        requester = Requester(request.remote, request.get(TOKEN_NAME_KEY),
-                              None if identity is None else identity.audit_details())
+        requester = requester_of(request)
         # Fills this request starts carry it along (the first requester of a fill).
         current = REQUESTER.set(requester)
         facts = ServedFacts()
@@ -65,6 +63,13 @@ def audited(route: str, handler: Handler, audit: AuditLog) -> Handler:
         return response
 
     return wrapped
+
+
+def requester_of(request: web.Request) -> Requester:
+    """Who sent request, as audit lines name them."""
+    identity = request.get(IDENTITY_KEY)
+    return Requester(request.remote, request.get(TOKEN_NAME_KEY),
+                     None if identity is None else identity.audit_details())
 
 
 def _signature_details(exc: ProxyError) -> dict[str, object]:

@@ -30,11 +30,11 @@ from proxy.protocols.module_registry import ModuleRegistry
 from proxy.protocols.network_mirror import ProviderMirror
 from proxy.protocols.provider_registry import ProviderRegistryService
 from proxy.protocols.status import StatusReport
-from proxy.protocols.version_policy import VersionPolicy
+from proxy.protocols.version_policy import VersionPolicy, module_target, provider_target
 from proxy.store.protocol import BlobStore
 from proxy.verification.packages import SUMS_ID
 from proxy.web.artifacts import ARTIFACT_ROUTES, named_artifact
-from proxy.web.audit_requests import audited
+from proxy.web.audit_requests import audited, requester_of
 from proxy.web.auth import IDENTITY_KEY, SIGNER_KEY, TOKEN_NAME_KEY, check_allowed
 from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
 from proxy.web.pulls import counted
@@ -162,7 +162,9 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     app = request.app
     mirror = app[MIRROR_KEY]
     if name == "index.json":
-        return json_body_response(request, await mirror.list_versions_body(provider))
+        body = await mirror.list_versions_body(provider)
+        _tell_hidden(request, "provider", str(provider), provider_target(provider))
+        return json_body_response(request, body)
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
         signer = app.get(SIGNER_KEY)
@@ -252,8 +254,10 @@ def _provider(request: web.Request) -> ProviderAddress:
 
 async def provider_versions(request: web.Request) -> web.Response:
     """providers.v1 `:namespace/:type/versions`."""
-    registry = request.app[REGISTRY_KEY]
-    return json_body_response(request, await registry.list_versions_body(_provider(request)))
+    registry, provider = request.app[REGISTRY_KEY], _provider(request)
+    body = await registry.list_versions_body(provider)
+    _tell_hidden(request, "provider", str(provider), provider_target(provider))
+    return json_body_response(request, body)
 
 
 async def provider_download(request: web.Request) -> web.Response:
@@ -303,8 +307,10 @@ def _module(request: web.Request) -> ModuleAddress:
 
 async def module_versions(request: web.Request) -> web.Response:
     """`:namespace/:name/:system/versions`."""
-    registry = request.app[MODULES_KEY]
-    return json_body_response(request, await registry.list_versions_body(_module(request)))
+    registry, module = request.app[MODULES_KEY], _module(request)
+    body = await registry.list_versions_body(module)
+    _tell_hidden(request, "module", str(module), module_target(module))
+    return json_body_response(request, body)
 
 
 async def module_version_file(request: web.Request) -> web.StreamResponse:
@@ -364,6 +370,13 @@ def allowed(route: str, handler: Handler) -> Handler:
         return await handler(request)
 
     return checked
+
+
+def _tell_hidden(request: web.Request, kind: str, address: str, target: str) -> None:
+    """Say (log, audit) which versions the version policy left out of a list just answered."""
+    policy = request.app.get(POLICY_KEY)
+    if policy is not None and policy.config.active:
+        policy.tell_hidden(kind, address, target, requester_of(request))
 
 
 async def _require_policy(policy: VersionPolicy, artifact: Artifact) -> None:

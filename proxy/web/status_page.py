@@ -87,6 +87,7 @@ def render_status_page(document: dict[str, Any]) -> str:
             "Pulls per identity", "identities", ("Identity (token or OIDC)", "Pulls"),
             ((i["name"], i["pulls"]) for i in document["identities"]),
             "No authenticated pull yet."),
+        _policy(document.get("policy"), document.get("policy_refusals", [])),
         "" if clients is None else _section(
             "Pulls per client (recent)", "clients", ("Client", "Pulls", "Last pull"),
             ((c["client"], c["pulls"], c["last_pull"]) for c in clients),
@@ -109,6 +110,26 @@ def _recent_pulls(pulls: list[dict[str, Any]], named: bool) -> str:
                              "log (server.audit_log) is on.</p>")
     return _section("Recent pulls", "recent-pulls", columns, rows,
                     "No package, module or CLI archive served yet.", note)
+
+
+def _policy(policy: dict[str, Any] | None, refusals: list[dict[str, Any]]) -> str:
+    """The version policy in force (its cooldown, its deny rules) and what it refused."""
+    if policy is None:
+        return ""
+    cooldowns = ", ".join(f"{r['match']}: {r['min_release_age']}" for r in policy["rules"])
+    note = (f'<p id="policy-cooldown">Cooldown: {_e(policy["min_release_age"])} by default'
+            f'{"; " + _e(cooldowns) if cooldowns else ""}. {len(policy["allow"])} allow '
+            "exception(s).</p>") if policy["active"] or policy["allow"] else \
+        '<p id="policy-cooldown">No version policy: every version is served.</p>'
+    return "".join((
+        _section("Version policy: deny rules", "policy-deny", ("Match", "Versions", "Reason"),
+                 ((d["match"], d["versions"] or "every version", d["reason"])
+                  for d in policy["deny"]), "No deny rule.", note),
+        _section("Recently refused by the version policy", "policy-refusals",
+                 ("Time", "Artifact", "Why", "Rule", "Reason"),
+                 ((r["time"], r["artifact"], r["kind"], r["rule"], r["reason"])
+                  for r in refusals), "Nothing refused since the workers started."),
+    ))
 
 
 def render_inventory_page(inventory: dict[str, Any]) -> str:

@@ -123,9 +123,11 @@ class FakeRegistry:
 
     def add_release(self, namespace: str, type_: str, version: str,
                     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
-                    padding: int = 4096, incompressible: bool = False) -> Release:
-        """Publish a version: one zip per platform, SHA256SUMS, signature. An incompressible
-        padding makes a zip about `padding` bytes long."""
+                    padding: int = 4096, incompressible: bool = False,
+                    signed_at: float | None = None) -> Release:
+        """Publish a version: one zip per platform, SHA256SUMS, signature (made at signed_at,
+        epoch seconds, when given). An incompressible padding makes a zip about `padding`
+        bytes long."""
         release = Release(namespace, type_, version, platforms)
         for platform in platforms:
             seed = f"{type_}{version}{platform}".encode()
@@ -140,8 +142,9 @@ class FakeRegistry:
             })
         release.sums = "".join(f"{release.sha256(p)}  {release.filename(p)}\n"
                                for p in platforms).encode()
-        release.signature = self.signer.detach_sign(release.sums)
-        release.bad_signature = self.impostor.detach_sign(release.sums)
+        at = None if signed_at is None else str(int(signed_at))
+        release.signature = self.signer.detach_sign(release.sums, at)
+        release.bad_signature = self.impostor.detach_sign(release.sums, at)
         self.releases[(namespace, type_, version)] = release
         return release
 

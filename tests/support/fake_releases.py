@@ -100,10 +100,11 @@ class CliReleases:
         self.url = ""  # the upstream's base URL, set when it starts
 
     def add(self, product: str, version: str,
-            platforms: tuple[str, ...] = RELEASE_PLATFORMS) -> CliRelease:
+            platforms: tuple[str, ...] = RELEASE_PLATFORMS,
+            signed_at: float | None = None) -> CliRelease:
         """Publish a release: archives for platforms (OpenTofu: a .tar.gz for linux_amd64
-        too), SHA256SUMS and signatures (OpenTofu: `.gpgsig`, plus cosign's `.sig` and
-        `.pem` as opaque files)."""
+        too), SHA256SUMS and signatures made at signed_at (epoch seconds) if given
+        (OpenTofu: `.gpgsig`, plus cosign's `.sig` and `.pem` as opaque files)."""
         release = CliRelease(product, version, signer_fingerprint=self.signer.fingerprint)
         binary = "terraform" if product == "terraform" else "tofu"
         script = (f"#!/bin/sh\necho '{BANNERS[product].format(version)}'\n"
@@ -117,7 +118,8 @@ class CliReleases:
         sums = "".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n"
                        for name, data in sorted(release.files.items())).encode()
         release.files[release.sums_name] = sums
-        good, bad = self.signer.detach_sign(sums), self.impostor.detach_sign(sums)
+        at = None if signed_at is None else str(int(signed_at))
+        good, bad = self.signer.detach_sign(sums, at), self.impostor.detach_sign(sums, at)
         names = [f"{release.sums_name}.gpgsig"] if product == "opentofu" else \
             [release.keyed_signature, f"{release.sums_name}.sig"]
         for name in names:
