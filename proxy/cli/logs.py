@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import UTC, datetime
+import sys
 from typing import Any
 
 from proxy.config.settings import ServerConfig
+from proxy.core.line_writer import BatchedLineWriter
 from proxy.core.redaction import install_log_masking, mask_secrets
-from proxy.web.access_log import ACCESS_FIELDS, ACCESS_LOGGER
+from proxy.web.access_log import ACCESS_FIELDS, ACCESS_LOGGER, AccessLines, json_time
 
 # What one-shot commands (warm, tls) log: warnings and errors, no timestamps.
 COMMAND_FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -21,6 +22,18 @@ def configure_logging(level: int | str, line_format: str) -> None:
     aiohttp, tracebacks)."""
     logging.basicConfig(level=level, format=line_format)
     install_log_masking()
+
+
+def flush_access_lines() -> None:
+    """Write out the access lines queued so far (SIGHUP)."""
+    for handler in logging.getLogger(ACCESS_LOGGER).handlers:
+        handler.flush()
+
+
+def close_access_lines() -> None:
+    """Write out every access line and stop their writer (a clean stop)."""
+    for handler in logging.getLogger(ACCESS_LOGGER).handlers:
+        handler.close()
 
 
 def configure_server_logging(server: ServerConfig, worker: int | None = None) -> None:
@@ -42,13 +55,15 @@ def configure_server_logging(server: ServerConfig, worker: int | None = None) ->
     access = logging.getLogger(ACCESS_LOGGER)
     for old in list(access.handlers):
         access.removeHandler(old)
-    access.propagate = server.access_log != "json"
-    if server.access_log == "json":
-        own = logging.StreamHandler()
-        own.setFormatter(JsonLineFormatter(worker))
-        access.addHandler(own)
+        old.close()
+    if server.access_log != "off" and access.isEnabledFor(logging.INFO):
+        # Built in one step and written in batches, off the event loop (the same lines).
+        access.propagate = False
+        access.addHandler(AccessLines(server.access_log, server.log_format, worker,
+                                      BatchedLineWriter(sys.stderr.fileno())))
+    else:
+        access.propagate = server.access_log != "json"
     install_log_masking()
-    install_log_masking(access)
     logging.captureWarnings(True)  # Python's warnings as log lines too, not bare stderr text
 
 
@@ -65,8 +80,7 @@ class JsonLineFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line of JSON."""
         entry: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(
-                timespec="milliseconds").replace("+00:00", "Z"),
+            "time": json_time(record.created),
             "level": record.levelname, "logger": record.name}
         if self._worker is not None:
             entry["worker"] = self._worker

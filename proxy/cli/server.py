@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from proxy.app import create_app
+from proxy.cli.logs import close_access_lines, flush_access_lines
 from proxy.cli.messages import fail
 from proxy.cli.policy_reload import reload_policy
 from proxy.config import Config
@@ -71,6 +72,7 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> str:
 
 
 def _hangup(config: Config, app: web.Application) -> None:
+    flush_access_lines()
     app[AUDIT_KEY].reopen()
     reload_policy(config, app[POLICY_KEY])
 
@@ -131,4 +133,5 @@ async def run_server(config: Config, context: ssl.SSLContext, generated_ca: Path
     log.info("shutting down: no new connections; responses under way get %g s to finish",
              server.shutdown_timeout)
     await stop_serving(runner, server.shutdown_timeout, signals.cut)
+    close_access_lines()  # every line of a clean stop is written
     return 0

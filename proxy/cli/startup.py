@@ -18,7 +18,8 @@ log = logging.getLogger("proxy")
 def startup_lines(config: Config, generated_ca: Path | None) -> list[str]:
     """The start-up log, one line per topic."""
     server, upstream = config.server, config.upstream
-    workers = f"{server.workers} worker process{'es' if server.workers > 1 else ''}"
+    workers = f"{server.workers} worker process{'es' if server.workers > 1 else ''}" + (
+        f" ({server.workers_why})" if server.workers_why else "")
     mode = ("offline: upstream is never contacted, only cached artifacts are served"
             if upstream.offline else "online")
     host = f"[{server.host}]" if ":" in server.host else server.host

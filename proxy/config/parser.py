@@ -27,11 +27,11 @@ from proxy.config.settings import (
     ServerConfig,
     UpstreamConfig,
     UpstreamHostConfig,
-    available_cpus,
     default_cache_dir,
     default_state_dir,
     parse_size,
 )
+from proxy.core.cpus import usable_cpus
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
 from proxy.core.redaction import excerpt
@@ -223,7 +223,7 @@ class _Parser:
         if log_format not in ("text", "json"):
             self.problems.append(f"server.log_format: expected text or json, got {log_format!r}")
             log_format = "text"
-        workers = self._workers(table)
+        workers, workers_why = self._workers(table)
         event_loop = (self._str("server.event_loop", table, "event_loop") or "uvloop").lower()
         if event_loop not in ("uvloop", "asyncio"):
             self.problems.append(f"server.event_loop: expected uvloop or asyncio, got "
@@ -239,7 +239,7 @@ class _Parser:
         return ServerConfig(host=host, port=port, tls_cert=cert, tls_key=key,
                             public_url=public_url or None, log_level=level,
                             access_log=access_log, audit_log=audit_log,
-                            log_format=log_format, workers=workers,
+                            log_format=log_format, workers=workers, workers_why=workers_why,
                             event_loop=event_loop,
                             shutdown_timeout=shutdown_timeout, state_dir=state_dir,
                             tls_handshake_timeout=seconds("tls_handshake_timeout"),
@@ -418,16 +418,18 @@ class _Parser:
             self.problems.append(f"server.audit_log: no such directory {str(path.parent)!r}")
         return str(path)
 
-    def _workers(self, table: dict[str, Any]) -> int:
-        """server.workers: a whole number, or "auto" (the default), one per CPU."""
+    def _workers(self, table: dict[str, Any]) -> tuple[int, str]:
+        """server.workers: a whole number, or "auto" (the default): one per CPU this process
+        can use (affinity mask, cgroup quota); and why that many."""
         value = table.get("workers", "auto")
         if isinstance(value, str) and value.strip().lower() == "auto":
-            return available_cpus()
+            usable = usable_cpus()
+            return usable.count, f'server.workers "auto": {usable.why}'
         if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
             self.problems.append(f'server.workers: expected "auto" or a whole number of at '
                                  f"least 1, got {value!r}")
-            return 1
-        return int(value)
+            return 1, ""
+        return int(value), ""  # as configured: nothing to explain
 
     def _whole(self, where: str, table: dict[str, Any], key: str, default: int) -> int:
         value = table.get(key, default)

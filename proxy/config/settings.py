@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.core.cpus import usable_cpus
+
 CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
 # TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
 ENV_PREFIX = "TF_REGISTRY_PROXY_"
@@ -34,11 +36,9 @@ def default_cache_dir() -> Path:
 
 
 def available_cpus() -> int:
-    """How many CPUs this process may run on (its affinity mask, e.g. a container's cpuset,
-    where the system has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    """How many CPUs this process can use: its affinity mask and its cgroup's CPU quota
+    (proxy.core.cpus)."""
+    return usable_cpus().count
 
 
 def default_state_dir() -> Path:
@@ -61,8 +61,10 @@ class ServerConfig:
     log_format: str = "text"  # the application log: "text" or "json" (one object per line)
     access_log: str = "plain"  # "plain", "json" or "off"
     audit_log: str | None = None  # a file path, "-" (stdout), or None: off
-    # Processes serving one port (SO_REUSEPORT), sharing the cache; "auto": one per CPU.
+    # Processes serving one port (SO_REUSEPORT), sharing the cache; "auto": one per CPU this
+    # process can use (affinity mask and cgroup quota), and why that many (the start-up log).
     workers: int = field(default_factory=available_cpus)
+    workers_why: str = field(default="", compare=False)
     event_loop: str = "uvloop"  # or "asyncio"; uvloop is used only where installed
     # Seconds responses under way get to finish on SIGTERM before they are cut.
     shutdown_timeout: float = 30.0

@@ -25,12 +25,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, ParamSpec, Protocol, TypeVar
 
+from proxy.core.cpus import usable_cpus
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
 def _cpus() -> int:
-    return os.cpu_count() or 1
+    return usable_cpus().count
 
 
 def default_quick_threads() -> int:

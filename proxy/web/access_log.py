@@ -1,19 +1,29 @@
-"""One access log line per request, plain or JSON, with credentials in URLs masked."""
+"""One access log line per request, plain or JSON, with credentials in URLs masked.
+
+Serving (proxy.cli.logs installs an AccessLines handler on the access logger), a line is
+built in one step from the request's fields, in exactly the form the logging formatters
+give it, and handed to a batched writer thread (proxy.core.line_writer): no log record, no
+formatter, no write per request. Elsewhere (a test capturing records, a command), lines go
+through logging as records."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
+from proxy.core.line_writer import BatchedLineWriter
 from proxy.core.redaction import mask_secrets
 
 __all__ = ["ABORTED_KEY", "ACCESS_FIELDS", "ACCESS_LOGGER", "CACHE_RESULT_KEY",
-           "JsonAccessLogger", "PlainAccessLogger", "mask_secrets", "request_line_fields"]
+           "AccessLines", "JsonAccessLogger", "PlainAccessLogger", "mask_secrets",
+           "request_line_fields"]
 
 ACCESS_LOGGER = "proxy.access"
 # The attribute of a JSON access line's log record that holds its fields (as a dict): a JSON
@@ -47,19 +57,116 @@ def request_line_fields(request: BaseRequest, response: StreamResponse,
     }
 
 
+def plain_text(fields: dict[str, Any]) -> str:
+    """`remote "METHOD path" status bytes duration cache=... aborted=...`."""
+    return (f'{fields["remote"]} "{fields["method"]} {fields["path"]}" {fields["status"]} '
+            f'{fields["bytes"]} {fields["duration_ms"]}ms cache={fields["cache"]} '
+            f'aborted={fields["aborted"]}')
+
+
+def json_time(created: float) -> str:
+    """A JSON log line's time: UTC, ISO 8601, milliseconds, `Z`."""
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+class AccessLines(logging.Handler):
+    """The access logger's handler while serving: each line built in one step, in the form
+    the server's formatters give it (server.log_format, server.access_log), and written in
+    batches. Records that still reach it (emit) are written the same way."""
+
+    def __init__(self, access_format: str, log_format: str, worker: int | None,
+                 writer: BatchedLineWriter) -> None:
+        super().__init__()
+        self._json = access_format == "json"
+        self._json_text = log_format == "json"  # plain lines inside JSON log lines
+        self._worker = worker
+        self._who = "" if worker is None else f"w{worker} "
+        self._writer = writer
+        self._second = -1
+        self._second_text = ""
+
+    def write(self, fields: dict[str, Any]) -> None:
+        """One request's line."""
+        self._writer.add(self.line(fields, time.time()))
+
+    def line(self, fields: dict[str, Any], created: float) -> str:
+        """The line, newline included, exactly as the formatters would write it."""
+        if self._json or self._json_text:
+            entry: dict[str, Any] = {"time": json_time(created), "level": "INFO",
+                                     "logger": ACCESS_LOGGER}
+            if self._worker is not None:
+                entry["worker"] = self._worker
+            if self._json:
+                entry.update(fields)
+            else:
+                entry["message"] = plain_text(fields)
+            return json.dumps(entry, separators=(",", ":")) + "\n"
+        return f"{self._asctime(created)} INFO {self._who}{ACCESS_LOGGER}: " \
+            f"{plain_text(fields)}\n"
+
+    def _asctime(self, created: float) -> str:
+        """logging.Formatter's %(asctime)s: local time, with milliseconds after a comma."""
+        second = int(created)
+        if second != self._second:  # strftime once a second
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+        return f"{self._second_text},{int((created - second) * 1000):03d}"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """A record logged to the access logger some other way: the same line."""
+        fields = getattr(record, ACCESS_FIELDS, None)
+        if not isinstance(fields, dict):
+            fields = {"remote": "-", "method": "-", "path": mask_secrets(record.getMessage()),
+                      "status": "-", "bytes": "-", "duration_ms": "-", "cache": "-",
+                      "aborted": "-"}
+        self._writer.add(self.line(fields, record.created))
+
+    def flush(self) -> None:
+        """Wait (briefly) until every line handed over is written (SIGHUP)."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Write out every line, then stop the writer (shutdown; logging.shutdown too)."""
+        self._writer.close()
+        super().close()
+
+
+def _lines_of(logger: logging.Logger) -> AccessLines | None:
+    """The AccessLines handler lines of logger go to alone, if it has one."""
+    if logger.propagate:
+        return None
+    found = [h for h in logger.handlers if isinstance(h, AccessLines)]
+    return found[0] if len(found) == 1 and len(logger.handlers) == 1 else None
+
+
 class PlainAccessLogger(AbstractAccessLogger):
     """`remote "METHOD path" status bytes duration cache=... aborted=...`."""
 
+    def __init__(self, logger: logging.Logger, log_format: str) -> None:
+        super().__init__(logger, log_format)
+        self._lines = _lines_of(logger)
+
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
-        f = request_line_fields(request, response, time)
-        log.info('%s "%s %s" %s %s %sms cache=%s aborted=%s', f["remote"], f["method"],
-                 f["path"], f["status"], f["bytes"], f["duration_ms"], f["cache"], f["aborted"])
+        fields = request_line_fields(request, response, time)
+        if self._lines is not None:
+            self._lines.write(fields)
+            return
+        self.logger.info("%s", plain_text(fields))
 
 
 class JsonAccessLogger(AbstractAccessLogger):
     """One JSON object per line: the fields travel with the record, for a JSON formatter
     that adds the time and writes nothing else; the message is the same object as text."""
 
+    def __init__(self, logger: logging.Logger, log_format: str) -> None:
+        super().__init__(logger, log_format)
+        self._lines = _lines_of(logger)
+
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         fields = request_line_fields(request, response, time)
-        log.info("%s", json.dumps(fields, separators=(",", ":")), extra={ACCESS_FIELDS: fields})
+        if self._lines is not None:
+            self._lines.write(fields)
+            return
+        self.logger.info("%s", json.dumps(fields, separators=(",", ":")),
+                         extra={ACCESS_FIELDS: fields})

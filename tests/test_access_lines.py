@@ -1,0 +1,131 @@
+"""The access log as the server writes it: each line built in one step, byte for byte what
+the logging formatters made of it before, written in batches by a thread that never blocks
+a request (a stuck reader costs dropped, counted lines) and writes everything out on a
+clean stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from proxy.cli.logs import JsonLineFormatter
+from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter
+from proxy.web.access_log import ACCESS_FIELDS, ACCESS_LOGGER, AccessLines, plain_text
+from tests.support.proxy_process import ProxyProcess, free_port
+
+FIELDS = {"remote": "10.0.0.7", "method": "GET", "path": "/mirror/a.zip?sig=***",
+          "status": 200, "bytes": 5911040, "duration_ms": 12.3, "cache": "hit", "aborted": "-"}
+
+
+def _record(created: float, json_fields: bool) -> logging.LogRecord:
+    record = logging.LogRecord(ACCESS_LOGGER, logging.INFO, __file__, 1, "%s",
+                               (json.dumps(FIELDS, separators=(",", ":")) if json_fields
+                                else plain_text(FIELDS),), None)
+    record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+    if json_fields:
+        setattr(record, ACCESS_FIELDS, FIELDS)
+    return record
+
+
+@pytest.mark.parametrize("worker", [None, 1])
+@pytest.mark.parametrize("log_format", ["text", "json"])
+@pytest.mark.parametrize("access_format", ["plain", "json"])
+def test_each_line_is_what_the_formatters_wrote(access_format: str, log_format: str,
+                                                worker: int | None) -> None:
+    """The formatters the server configured before (the root handler's for plain lines,
+    the JSON one for JSON access lines), against the line built in one step."""
+    created = 1_795_000_000.0437
+    if access_format == "json" or log_format == "json":
+        formatter: logging.Formatter = JsonLineFormatter(worker)
+    else:
+        who = f"w{worker} " if worker is not None else ""
+        formatter = logging.Formatter(f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
+    expected = formatter.format(_record(created, access_format == "json"))
+    writer = BatchedLineWriter(os.open(os.devnull, os.O_WRONLY))
+    try:
+        built = AccessLines(access_format, log_format, worker, writer).line(FIELDS, created)
+    finally:
+        writer.close()
+    assert built == expected + "\n"
+
+
+def test_a_stuck_reader_drops_and_counts_lines_but_never_blocks(
+        caplog: pytest.LogCaptureFixture) -> None:
+    read_end, write_end = os.pipe()  # nobody reads until the end: the pipe fills
+    writer = BatchedLineWriter(write_end, backlog_size=200_000)
+    line = "x" * 99 + "\n"
+    started = time.monotonic()
+    for _ in range(20_000):  # 2 MB: far beyond the pipe (64 KiB) and the backlog
+        writer.add(line)
+    assert time.monotonic() - started < 2  # never waited on the pipe
+    deadline = time.monotonic() + 5
+    while writer.dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.dropped > 0
+    assert "log lines dropped" in caplog.text
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 65536):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    writer.close()
+    os.close(write_end)
+    reader.join(10)
+    lines = bytes(received).decode().splitlines()
+    assert set(lines) == {line.strip()}  # whole lines only
+    assert len(lines) + writer.dropped == 20_000
+
+
+def test_lines_of_writers_sharing_a_pipe_never_interleave() -> None:
+    read_end, write_end = os.pipe()
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 65536):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    writers = [BatchedLineWriter(write_end) for _ in range(2)]
+
+    def write(index: int) -> None:
+        for number in range(5000):
+            writers[index].add(f"{index}:{number:05d}:" + "y" * (37 + number % 90) + "\n")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for writer in writers:
+        writer.close()
+    os.close(write_end)
+    reader.join(10)
+    lines = bytes(received).decode().splitlines()
+    assert len(lines) == 10_000
+    assert all(re.fullmatch(r"[01]:\d{5}:y+", line) for line in lines)
+    assert CHUNK_BYTES >= 512
+
+
+def test_a_clean_stop_writes_every_access_line(tmp_path: Path,
+                                               write_config: Callable[..., Path]) -> None:
+    port, cache, log = free_port(), tmp_path / "cache", tmp_path / "proxy.log"
+    with ProxyProcess(write_config(cache_dir=cache, port=port), cache, port, log,
+                      env={"TF_REGISTRY_PROXY_SERVER_ACCESS_LOG": "json"}) as proxy:
+        for number in range(300):
+            proxy.get(f"/healthz?n={number}")
+    written = [json.loads(line) for line in log.read_text().splitlines()
+               if line.startswith("{")]
+    numbers = {line["path"] for line in written if line["path"].startswith("/healthz?n=")}
+    assert numbers == {f"/healthz?n={n}" for n in range(300)}
