@@ -11,18 +11,14 @@ archive figures are measured against it as well as against nginx.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import sys
-from multiprocessing import get_context
-from multiprocessing.connection import wait
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # `bench.x` from the checkout
 
 from aiohttp import web  # noqa: E402
 
-from bench.floor import serve  # noqa: E402
+from bench.floor import serve_processes  # noqa: E402
 
 CHUNK = 64 * 1024  # as the proxy's reads
 
@@ -67,31 +63,9 @@ def application(root: Path) -> web.Application:
     return app
 
 
-def _listening(port: int) -> socket.socket:
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(128)
-    return listener
-
-
 def main(port: int, cert: str, key: str, root: Path, processes: int) -> int:
     """Serve until killed (or until a serving process dies: then exit 1)."""
-    # Every socket listens before any process serves: no connection meets a partial set.
-    sockets = [_listening(port) for _ in range(processes)]
-    app = application(root)
-    # On SIGTERM the parent exits, and multiprocessing ends its daemon children on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    fork = get_context("fork")
-    children = [fork.Process(target=serve, args=(app, cert, key), kwargs={"sock": listener},
-                             daemon=True) for listener in sockets]
-    for child in children:
-        child.start()
-    for listener in sockets:
-        listener.close()
-    wait([child.sentinel for child in children])
-    return 1
+    return serve_processes(application(root), cert, key, port, processes)
 
 
 if __name__ == "__main__":

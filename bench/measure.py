@@ -173,6 +173,52 @@ def peak_rss_mib(pids: Iterable[int]) -> float:
     return total / 1024
 
 
+def _rollup(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of a process in kB, from /proc/PID/smaps_rollup; (0, 0) once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0, 0
+    rss = re.search(r"^Rss:\s+(\d+) kB", text, re.MULTILINE)
+    pss = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+    return (int(rss.group(1)) if rss else 0), (int(pss.group(1)) if pss else 0)
+
+
+class MemorySampler:
+    """A server's memory while a load runs, sampled every `interval` seconds: the peak sum of
+    every process's proportional set size (PSS: a page shared by n processes counts 1/n in
+    each, so the sum is what the tree really holds), the peak sum of their RSS, and the
+    highest RSS of one worker (any process but the root)."""
+
+    def __init__(self, root: int, interval: float = 0.05) -> None:
+        self._root = root
+        self._pids = process_tree(root)
+        self._interval = interval
+        self.tree_pss_kib = 0
+        self.tree_rss_kib = 0
+        self.worker_rss_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            rollups = {pid: _rollup(pid) for pid in self._pids}
+            self.tree_rss_kib = max(self.tree_rss_kib, sum(r for r, _ in rollups.values()))
+            self.tree_pss_kib = max(self.tree_pss_kib, sum(p for _, p in rollups.values()))
+            self.worker_rss_kib = max([self.worker_rss_kib, *(
+                r for pid, (r, _) in rollups.items() if pid != self._root)])
+            if self._stop.wait(self._interval):
+                return
+
+
 class CpuMeter:
     """Server CPU over a measurement: the whole tree's utime + stime, before and after."""
 

@@ -43,7 +43,7 @@ GROUPS: dict[str, Group] = {
     "archive": downloads.archive,
     "cold": downloads.cold,
     "herd": downloads.herd,
-    "rss": downloads.rss,
+    "memory": downloads.memory,
     "terraform": terraform_init.measure,
 }
 
@@ -88,17 +88,16 @@ def main(argv: list[str] | None = None) -> int:
                         seconds=args.seconds or (2 if args.quick else 10),
                         rounds=1 if args.quick else 3,
                         big=(8 if args.quick else 100) << 20,
-                        huge=(64 if args.quick else 1024) << 20, workers=workers)
+                        workers=workers)
     ensure_tools()
     load = load_average()  # before the bench itself loads the machine
     progress(report.idle_line(load))
     work = Path(tempfile.mkdtemp(prefix="tfproxy-bench-"))
     work.chmod(0o755)  # nginx's workers run as another user
     wanted: list[str] = args.only
-    needs_big = bool({"archive", "cold", "herd"} & set(wanted))
+    needs_big = bool({"archive", "cold", "herd", "memory"} & set(wanted))
     progress("building packages ...")
-    upstream = Upstream(work, settings.big if needs_big else None,
-                        settings.huge if "rss" in wanted else None)
+    upstream = Upstream(work, settings.big if needs_big else None)
     figures: list[Figure] = []
     notes: list[str] = []
     try:
@@ -133,11 +132,12 @@ def _head(args: argparse.Namespace, settings: Settings, load: tuple[float, float
         f"{settings.runs} run(s); in each, the proxy and its reference are measured one right "
         "after the other (the proxy first in odd runs, the reference first in even ones). "
         "Ratios are proxy / reference per run, then median (min - max); a target is judged on "
-        f"the median. Packages: {settings.big >> 20} MiB (archive, cold, herd), "
-        f"{settings.huge >> 20} MiB (RSS). JSON: `wrk -t2 -c64 "
-        f"--latency`, {settings.seconds:g} s each; downloads: one curl process per client. "
-        f"Default workers: {settings.workers} (server.workers = \"auto\"), nginx the same. "
-        "bench/README.md says how each figure is taken.",
+        f"the median. Packages: {settings.big >> 20} MiB (archive, cold, herd, memory). "
+        f"JSON: `wrk -t2 -c64 --latency`, {settings.seconds:g} s each; downloads: one curl "
+        f"process per client. Every proxy runs the shipped configuration (server.workers = "
+        f"\"auto\": {settings.workers} here; the access log on, to a file), unless a row "
+        "says otherwise; nginx with as many workers. bench/README.md says how each figure is "
+        "taken.",
     ]
 
 

@@ -72,12 +72,13 @@ class Server:
 
 
 def proxy_config(port: int, state_dir: Path, cache: Path, registry: FakeRegistry,
-                 ca_file: Path, workers: int | str = 1) -> str:
-    """A proxy's configuration file: the fake registry as registry.terraform.io."""
+                 ca_file: Path, workers: int | str = 1, access_log: str | None = None) -> str:
+    """A proxy's configuration file: the fake registry as registry.terraform.io; the
+    shipped defaults otherwise (the access log on, unless access_log says otherwise)."""
     return f"""
 [server]
 listen = "127.0.0.1:{port}"
-access_log = "off"
+{"" if access_log is None else f'access_log = "{access_log}"'}
 state_dir = "{state_dir}"
 workers = "{workers}"
 [cache]
@@ -92,12 +93,13 @@ ca_bundle = "{ca_file}"
 
 @contextmanager
 def proxy(work: Path, upstream: Upstream, state_dir: Path, cache: Path,
-          workers: int | str) -> Iterator[Server]:
-    """A proxy process on cache with `workers` processes (a number or "auto")."""
+          workers: int | str, access_log: str | None = None) -> Iterator[Server]:
+    """A proxy process on cache with `workers` processes (a number or "auto"), its access
+    log as shipped (plain, to its stderr: a file here) unless access_log says otherwise."""
     port = free_port()
     config = work / f"proxy-{port}.toml"
     config.write_text(proxy_config(port, state_dir, cache, upstream.registry, upstream.ca_file,
-                                   workers))
+                                   workers, access_log))
     # ProxyProcess pins one worker through the environment (as tests want): say ours there.
     # The proxy measured is this checkout's, whatever the current directory.
     path = os.pathsep.join(filter(None, (str(CHECKOUT), os.environ.get("PYTHONPATH"))))
@@ -106,7 +108,9 @@ def proxy(work: Path, upstream: Upstream, state_dir: Path, cache: Path,
                                 "PYTHONPATH": path})
     with process:
         assert process.process is not None
-        yield Server(f"proxy ({workers} workers)", f"https://127.0.0.1:{port}",
+        yield Server(f"proxy ({workers} workers"
+                     f"{'' if access_log is None else f', access log {access_log}'})",
+                     f"https://127.0.0.1:{port}",
                      process.ca_file, process.process.pid)
 
 
@@ -166,10 +170,13 @@ http {{
 
 
 @contextmanager
-def floor(work: Path, root: Path, certificate: ServingCertificate, ca: Path) -> Iterator[Server]:
-    """The bare-aiohttp floor: one process answering every JSON file under root from memory."""
-    with _floor_script(work, "bare aiohttp floor (1 process)", FLOOR_SCRIPT,
-                       [root], certificate, ca) as server:
+def floor(work: Path, root: Path, certificate: ServingCertificate, ca: Path,
+          processes: int = 1) -> Iterator[Server]:
+    """The bare-aiohttp floor: `processes` processes answering every JSON file under root
+    from memory."""
+    with _floor_script(work, f"bare aiohttp floor ({processes} process"
+                       f"{'es' if processes > 1 else ''})", FLOOR_SCRIPT,
+                       [root, processes], certificate, ca) as server:
         yield server
 
 

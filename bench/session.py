@@ -34,7 +34,6 @@ class Settings:
     seconds: float  # of each wrk measurement
     rounds: int  # downloads in a row per client, for archive throughput
     big: int  # bytes of the package of the archive, cold and herd figures
-    huge: int  # bytes of the package of the RSS figures
     workers: int  # the proxy's default (server.workers = "auto": one per CPU), and nginx's
 
 
@@ -52,19 +51,21 @@ class Session:
         assert self.certificate.ca is not None
         self.ca = self.certificate.ca
         self.tree = StaticTree(work / "static")
-        self._warm: dict[int, Server] = {}
+        self._warm: dict[tuple[int, str | None], Server] = {}
         self._nginx: Server | None = None
-        self._floor: Server | None = None
+        self._floors: dict[int, Server] = {}
         self._file_floor: Server | None = None
         self._published: set[Package] = set()
 
-    def warm_proxy(self, workers: int) -> Server:
-        """A proxy with `workers` processes on the warm cache (one cache for all of them)."""
-        if workers not in self._warm:
-            self._warm[workers] = self._stack.enter_context(
+    def warm_proxy(self, workers: int, access_log: str | None = None) -> Server:
+        """A proxy with `workers` processes on the warm cache (one cache for all of them),
+        configured as shipped (access_log: otherwise)."""
+        key = (workers, access_log)
+        if key not in self._warm:
+            self._warm[key] = self._stack.enter_context(
                 proxy(self.work, self.upstream, self.state_dir, self.work / "cache-warm",
-                      workers))
-        return self._warm[workers]
+                      workers, access_log))
+        return self._warm[key]
 
     def nginx(self) -> Server:
         """nginx over the static tree, with as many workers as the proxy's default."""
@@ -74,13 +75,13 @@ class Session:
                       self.settings.workers))
         return self._nginx
 
-    def floor(self) -> Server:
-        """The bare-aiohttp floor, answering the JSON files in the static tree as they are
-        when it starts."""
-        if self._floor is None:
-            self._floor = self._stack.enter_context(
-                floor(self.work, self.tree.root, self.certificate, self.ca))
-        return self._floor
+    def floor(self, processes: int = 1) -> Server:
+        """The bare-aiohttp floor in `processes` processes, answering the JSON files in the
+        static tree as they are when it starts."""
+        if processes not in self._floors:
+            self._floors[processes] = self._stack.enter_context(
+                floor(self.work, self.tree.root, self.certificate, self.ca, processes))
+        return self._floors[processes]
 
     def file_floor(self) -> Server:
         """The bare-aiohttp file floor, with as many processes as the proxy's default workers,

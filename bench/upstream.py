@@ -82,16 +82,15 @@ class Package:
 
 
 BIG = Package("bench", "big", "1.0.0")
-HUGE = Package("bench", "huge", "1.0.0")
 DOCUMENTS = {state: Package("bench", type_, "1.0.0") for state, type_ in DOCUMENT_STATES.items()}
 TERRAFORM = [Package("hashicorp", type_, TERRAFORM_VERSION) for type_ in TERRAFORM_PROVIDERS]
 
 
 class Upstream:
-    """The fake registry and its keys, serving only the packages asked for (a 1 GiB zip is
-    built only when the RSS figures run)."""
+    """The fake registry and its keys, serving only the packages asked for (the big zip is built
+    only when a figure needs it)."""
 
-    def __init__(self, work: Path, big: int | None, huge: int | None) -> None:
+    def __init__(self, work: Path, big: int | None) -> None:
         self.ca = trustme.CA()
         self.ca_file = work / "upstream-ca.pem"
         self.ca.cert_pem.write_to_path(str(self.ca_file))
@@ -99,9 +98,8 @@ class Upstream:
                                     generate_key(work / "gpg-impostor", "Bench Impostor")]
         self.registry = FakeRegistry(self.ca, *self._keys)
         self.sizes: dict[Package, int] = {}
-        for package, size in ((BIG, big), (HUGE, huge)):
-            if size is not None:
-                self._publish_big(package, size)
+        if big is not None:
+            self._publish_big(BIG, big)
         for state in DOCUMENT_STATES.values():
             self.registry.add_release("bench", state, "1.0.0", platforms=DOCUMENT_PLATFORMS)
         for package in TERRAFORM:

@@ -25,7 +25,7 @@ from proxy.core.metrics import Metrics
 from proxy.web.shutdown import CUT_TIMEOUT, stop_serving
 from proxy.web.tls_server import HandshakeFailures, TlsSite, open_connections
 from tests.support.fake_registry import FakeRegistry
-from tests.support.proxy_process import ProxyProcess, free_port
+from tests.support.proxy_process import ProxyProcess, free_port, worker_pids
 
 GRACE = 2.0
 SLOW = ("hashicorp", "slowpoke", "1.0.0")
@@ -37,14 +37,6 @@ def slow_release(registry: FakeRegistry) -> int:
     if SLOW not in registry.releases:
         registry.add_release(*SLOW, platforms=("linux_amd64",), padding=8 << 20)
     return len(registry.releases[SLOW].zips["linux_amd64"])
-
-
-def worker_pids(parent: int) -> list[int]:
-    """The parent's worker processes (not multiprocessing's resource tracker)."""
-    children = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"],
-                              capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in children
-            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
 
 
 def alive(pid: int) -> bool:

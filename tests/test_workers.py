@@ -21,7 +21,7 @@ from proxy.cli.workers import RestartBudget
 from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import archive_path
-from tests.support.proxy_process import ProxyProcess, free_port
+from tests.support.proxy_process import ProxyProcess, free_port, worker_pids
 
 
 def test_workers_share_one_port_and_one_cache(
@@ -54,13 +54,6 @@ def test_workers_share_one_port_and_one_cache(
             time.sleep(0.1)
 
 
-def _workers_of(parent: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"],
-                              capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in children
-            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
-
-
 def _serving(pids: list[int], client_port: int) -> int:
     """Which of pids holds the server side of the client's connection from client_port."""
     inodes = set()
@@ -88,7 +81,7 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
                          tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
     with proxy:
         assert proxy.process is not None
-        workers = _workers_of(proxy.process.pid)
+        workers = worker_pids(proxy.process.pid)
         assert len(workers) == 2
         client = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=(
             ssl.create_default_context(cafile=str(proxy.ca_file))))
@@ -102,7 +95,7 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
             time.sleep(0.05)
         os.kill(killed, signal.SIGKILL)
         deadline = time.monotonic() + 20
-        while len(set(_workers_of(proxy.process.pid)) - {killed}) < 2:
+        while len(set(worker_pids(proxy.process.pid)) - {killed}) < 2:
             assert proxy.process.poll() is None, "the service stopped"
             assert time.monotonic() < deadline, "no worker took the killed one's place"
             client.request("GET", "/healthz")  # the other worker's client: never a failure

@@ -1,9 +1,17 @@
 """`serve` with server.workers > 1: N processes on one port (SO_REUSEPORT) sharing the disk
-cache, supervised by the parent."""
+cache, supervised by the parent.
+
+The parent is a thin supervisor: no app, no store, no event loop, no thread. It imports the
+serving code once (and the S3 client library when the cache is a bucket), freezes those
+objects out of the garbage collector's reach, and forks the workers from there: the pages of
+that code are shared by every process instead of copied into each (a spawned worker would
+import it all again)."""
 
 from __future__ import annotations
 
 import collections
+import gc
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -12,8 +20,10 @@ import signal
 import socket
 import tempfile
 import time
-from multiprocessing.context import SpawnProcess
+from multiprocessing.context import ForkProcess
 from pathlib import Path
+
+from prometheus_client import values as prometheus_values
 
 from proxy.cli.logs import configure_server_logging
 from proxy.cli.messages import fail
@@ -51,11 +61,12 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     except OSError as exc:
         return fail(f"cannot make the workers' metrics directory in {tempfile.gettempdir()} "
                     f"(TMPDIR): {exc.strerror or exc}")
-    spawn = multiprocessing.get_context("spawn")
+    forked = multiprocessing.get_context("fork")
+    _share_imports(config)
 
-    def worker(index: int) -> SpawnProcess:
-        return spawn.Process(target=_worker_main, args=(config, generated_ca, index),
-                             name=f"worker-{index}")
+    def worker(index: int) -> ForkProcess:
+        return forked.Process(target=_worker_main, args=(config, generated_ca, index),
+                              name=f"worker-{index}")
 
     workers = [worker(index) for index in range(config.server.workers)]
     deadline: float | None = None
@@ -73,7 +84,7 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     wake_read, wake_write = socket.socketpair()
     wake_write.setblocking(False)
     signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
-    running: list[SpawnProcess] = []
+    running: list[ForkProcess] = []
     signal.signal(signal.SIGTERM, stop)  # before any worker exists: none is ever orphaned
     signal.signal(signal.SIGINT, stop)
     # Workers start with SIGHUP ignored (inherited) until they handle it (reopen the audit
@@ -166,7 +177,23 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exited ({exitcode})"
 
 
+def _share_imports(config: Config) -> None:
+    """Import what every worker runs, then keep the garbage collector off those objects (its
+    passes would write to their pages, which forked workers then copy)."""
+    if config.cache.s3 is not None:
+        importlib.import_module("proxy.store.s3_objects")  # botocore: ~30 MiB, once
+    gc.collect()
+    gc.freeze()
+
+
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
+    # Forked: the parent's signal handlers and wake-up fd are this process's until replaced.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until run_server handles it
+    # prometheus_client chose its value class when the parent imported it, before the
+    # shared metrics directory existed: choose again, now that it does.
+    prometheus_values.ValueClass = prometheus_values.get_value_class()  # type: ignore[no-untyped-call]
     configure_server_logging(config.server, worker=index)
     register_worker(index)
     # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.

@@ -42,10 +42,9 @@ class BatchedLineWriter:
         self.dropped = 0  # lines, since the start
         self._reported_dropped = 0
         self._last_report = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._write_forever, name="line-writer",
-                                        daemon=True)
-        self._thread.start()
+        # Started with the first line: a process that writes none (a supervisor that forks
+        # the workers) has no thread.
+        self._thread: threading.Thread | None = None
         self._closed = False
 
     def add(self, line: str) -> None:
@@ -70,6 +69,10 @@ class BatchedLineWriter:
             self._report_drops()
             return
         self._handed_size += size
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_forever, name="line-writer",
+                                            daemon=True)
+            self._thread.start()
         self._handed.put(batch)
 
     def _report_drops(self) -> None:
@@ -96,8 +99,9 @@ class BatchedLineWriter:
         if self._pending:
             self._hand_over()
         self._closed = True
-        self._handed.put(_STOP)
-        self._thread.join(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            self._handed.put(_STOP)
+            self._thread.join(timeout)
 
     def _write_forever(self) -> None:
         while True:

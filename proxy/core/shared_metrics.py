@@ -21,8 +21,8 @@ __all__ = ["ENV", "WorkerProcesses", "WorkerRestarts", "count_restart", "registe
            "remove_shared_metrics", "shared_directory", "start_shared_metrics",
            "worker_exited"]
 
-# prometheus_client reads it once, when it is first imported: so set in the parent, before
-# the workers (spawned, fresh interpreters) import anything.
+# prometheus_client reads it when it is first imported (the parent imported it before the
+# directory existed): forked workers choose its value class again (proxy.cli.workers).
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Under the directory: one file per live worker, named by its index, holding its pid (not a
 # *.db file, so the multiprocess collector does not read it).

@@ -14,6 +14,13 @@ from pathlib import Path
 from types import TracebackType
 
 
+def worker_pids(parent: int) -> list[int]:
+    """A `serve` parent's worker processes (forked: its children)."""
+    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True,
+                              timeout=30).stdout.split()
+    return [int(pid) for pid in children]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
