@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import os
 import random
@@ -95,6 +96,29 @@ def test_sweep_removes_what_dead_processes_left_and_spares_live_ones(tmp_path: P
     live.close()
     assert not live.tmp.exists()  # a clean shutdown removes its own files...
     assert mine.sweep_temp() == 0  # ...so the sweep finds nothing more to remove
+
+
+def test_sweep_passes_over_a_starting_worker_renaming_its_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers start at the same moment: one sweeps while another renames its pending
+    directory into place (seen in CI: the sweeping worker could not start)."""
+    mine = ArchiveStore(tmp_path)
+    pending = tmp_path / "tmp" / ".new-starting"
+    pending.mkdir()
+    held = open(pending / ".owner.lock", "wb")  # held for the whole test
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    is_dir = Path.is_dir
+
+    def renamed_after_listing(path: Path) -> bool:
+        answer = is_dir(path)
+        if path == pending:
+            pending.rename(tmp_path / "tmp" / "p1-starting")
+        return answer
+
+    monkeypatch.setattr(Path, "is_dir", renamed_after_listing)
+    assert mine.sweep_temp() == 0
+    assert (tmp_path / "tmp" / "p1-starting").is_dir()
+    held.close()
 
 
 def test_close_removes_its_temp_directory_even_if_a_cut_fill_writes_meanwhile(

@@ -118,19 +118,28 @@ class ArchiveStore:
         for leftover in self.tmp_root.iterdir():
             if leftover in (self.tmp, self.tmp_root / _LOCKS):
                 continue  # lock files must outlive any one process: never swept
-            if leftover.is_dir() and not leftover.is_symlink():
-                if leftover.name.startswith(_PENDING):
-                    # Being set up by a starting process (or left by one that died then).
-                    if time.time() - leftover.stat().st_mtime < _YOUNG_SECONDS:
-                        continue
-                elif _held_by_a_live_process(leftover / _LOCK_NAME):
-                    continue
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-            removed += 1
+            try:
+                removed += self._sweep_one(leftover)
+            except FileNotFoundError:
+                # Renamed or removed since the listing: a worker starting at the same time
+                # renames its pending directory, or another sweeper got there first.
+                continue
         self._sweep_unstriped_locks()
         return removed
+
+    @staticmethod
+    def _sweep_one(leftover: Path) -> bool:
+        if leftover.is_dir() and not leftover.is_symlink():
+            if leftover.name.startswith(_PENDING):
+                # Being set up by a starting process (or left by one that died then).
+                if time.time() - leftover.stat().st_mtime < _YOUNG_SECONDS:
+                    return False
+            elif _held_by_a_live_process(leftover / _LOCK_NAME):
+                return False
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+        return True
 
     def _sweep_unstriped_locks(self) -> None:
         # Earlier versions kept one lock file per artifact, forever. Removing one that an
