@@ -152,28 +152,44 @@ def test_a_second_sigterm_cuts_at_once(tmp_path: Path, write_config: Callable[..
 def test_workers_die_with_their_parent(tmp_path: Path, write_config: Callable[..., Path],
                                        registry: FakeRegistry) -> None:
     """SIGKILL gives the parent no chance to stop its workers: they notice and stop, so a
-    supervisor's restart can listen on the port again."""
+    supervisor's restart can listen on the port again. Also when a worker forked later
+    hangs (stopped here): it holds a copy of the earlier worker's end of the pipe that
+    tells a worker its parent is gone."""
     port, cache = free_port(), tmp_path / "cache"
     config = write_config(cache_dir=cache, port=port)
     proxy = ProxyProcess(config, cache, port, tmp_path / "proxy.log",
                          env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
     with proxy:
         assert proxy.process is not None
-        workers = worker_pids(proxy.process.pid)
-        assert len(workers) == 2
-        proxy.process.kill()
-        proxy.process.wait()
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in workers):
-            if time.monotonic() > deadline:
-                for pid in workers:  # not left behind by the test either
-                    if alive(pid):
-                        os.kill(pid, signal.SIGKILL)
-                pytest.fail("workers outlived their parent's SIGKILL")
-            time.sleep(0.1)
+        first, last = sorted(worker_pids(proxy.process.pid), key=_started_at)
+        os.kill(last, signal.SIGSTOP)
+        try:
+            proxy.process.kill()
+            proxy.process.wait()
+            _gone_within([first], 10, "a worker outlived its parent's SIGKILL")
+        finally:
+            os.kill(last, signal.SIGCONT)
+        _gone_within([last], 10, "the stopped worker did not stop once resumed")
     # One process without SO_REUSEPORT: it can listen only if no orphan still does.
     with ProxyProcess(config, cache, port, tmp_path / "restarted.log") as restarted:
         assert restarted.cli("healthcheck").returncode == 0
+
+
+def _started_at(pid: int) -> tuple[int, int]:
+    """When a process started (clock ticks since boot), then its pid: the order of forks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[19]), pid
+
+
+def _gone_within(pids: list[int], seconds: float, failure: str) -> None:
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            for pid in pids:  # not left behind by the test either
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(failure)
+        time.sleep(0.1)
 
 
 async def test_a_client_that_stops_reading_is_cut_after_the_grace_period(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import multiprocessing
 import os
 import signal
 import ssl
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli.workers import RestartBudget
+from proxy.cli.workers import RestartBudget, start_worker, take_own_signals
 from tests.support.fake_registry import DEFAULT_PLATFORMS, FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import archive_path
@@ -173,3 +174,26 @@ def test_workers_on_a_fresh_state_dir_accept_each_others_signed_urls(
     served = {line.split()[3] for line in proxy.log.read_text().splitlines()
               if ".zip?expires=" in line and '" 200 ' in line}
     assert served == {"w0", "w1"}  # both workers accepted the one signature
+
+
+def _hang_up_on_myself_then_take_over() -> None:
+    os.kill(os.getpid(), signal.SIGHUP)  # a SIGHUP forwarded while this worker starts
+    time.sleep(0.1)
+    take_own_signals()
+    time.sleep(0.1)
+
+
+def test_a_signal_during_a_workers_start_never_runs_the_supervisors_handler() -> None:
+    """A forked worker has the supervisor's handlers until it replaces them (a replacement
+    is forked while they are installed): a SIGHUP in that window waits until the worker
+    handles it itself, instead of running the supervisor's (which looks at processes that
+    are not the worker's children)."""
+    supervisors = signal.signal(signal.SIGHUP, lambda *_: os._exit(3))
+    try:
+        worker = multiprocessing.get_context("fork").Process(
+            target=_hang_up_on_myself_then_take_over)
+        start_worker(worker)
+        worker.join(10)
+    finally:
+        signal.signal(signal.SIGHUP, supervisors)
+    assert worker.exitcode == 0

@@ -59,8 +59,10 @@ def configure_server_logging(server: ServerConfig, worker: int | None = None) ->
     if server.access_log != "off" and access.isEnabledFor(logging.INFO):
         # Built in one step and written in batches, off the event loop (the same lines).
         access.propagate = False
-        access.addHandler(AccessLines(server.access_log, server.log_format, worker,
-                                      BatchedLineWriter(sys.stderr.fileno())))
+        stderr = sys.stderr  # encoded as a StreamHandler on it would
+        writer = BatchedLineWriter(stderr.fileno(), encoding=stderr.encoding,
+                                   errors=stderr.errors or "strict")
+        access.addHandler(AccessLines(server.access_log, server.log_format, worker, writer))
     else:
         access.propagate = server.access_log != "json"
     install_log_masking()

@@ -46,6 +46,9 @@ STARTUP_REFUSED = 2
 # More than this many restarts within CRASH_WINDOW seconds stop the service (a crash loop).
 CRASH_LOOP = 5
 CRASH_WINDOW = 60.0
+# The signals the supervisor handles: held while a worker is forked, released by the worker
+# once it has its own handlers (until then it would run the supervisor's).
+SUPERVISOR_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def serve_workers(config: Config, generated_ca: Path | None) -> int:
@@ -92,7 +95,7 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     for started in workers:
         if deadline is None:  # not if a signal came meanwhile: it could not reach this one
-            started.start()
+            start_worker(started)
             running.append(started)
 
     def forward_hangup(_signum: int, _frame: object) -> None:
@@ -112,31 +115,32 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
         for dead in [w for w in running if not w.is_alive()]:
             running.remove(dead)
             dead.join()
-            index = int(dead.name.rpartition("-")[2])
-            if dead.pid is not None:
-                worker_exited(metrics_dir, index, dead.pid)
+            name, pid, exitcode = dead.name, dead.pid, dead.exitcode
+            dead.close()  # its pipe's descriptors: restarts must not leak them
+            index = int(name.rpartition("-")[2])
+            if pid is not None:
+                worker_exited(metrics_dir, index, pid)
                 # Its own shutdown removes its temp directories; a killed worker's stay.
-                ArchiveStore.remove_temp_of(config.cache.dir, dead.pid)
+                ArchiveStore.remove_temp_of(config.cache.dir, pid)
             if deadline is not None:
                 continue  # stopping: they are meant to go
-            how = _how_it_ended(dead.exitcode)
-            if dead.exitcode == STARTUP_REFUSED:
+            how = _how_it_ended(exitcode)
+            if exitcode == STARTUP_REFUSED:
                 log.error("%s could not start (its message above says why); stopping the "
-                          "others", dead.name)
+                          "others", name)
                 code = STARTUP_REFUSED
                 stop()
                 continue
             if not restarts.allow(time.monotonic()):
                 log.error("%s %s: more than %d workers died within %.0f s (a crash loop); "
-                          "stopping the service", dead.name, how, CRASH_LOOP, CRASH_WINDOW)
-                code = dead.exitcode if dead.exitcode and dead.exitcode > 0 else 1
+                          "stopping the service", name, how, CRASH_LOOP, CRASH_WINDOW)
+                code = exitcode if exitcode and exitcode > 0 else 1
                 stop()
                 continue
             count = count_restart(metrics_dir)
-            log.warning("%s %s; starting a new one (%d restarts so far)", dead.name, how,
-                        count)
+            log.warning("%s %s; starting a new one (%d restarts so far)", name, how, count)
             replacement = worker(index)
-            replacement.start()
+            start_worker(replacement)
             running.append(replacement)
         if running and deadline is not None and time.monotonic() >= deadline:
             for late in running:
@@ -177,6 +181,28 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exited ({exitcode})"
 
 
+def start_worker(process: ForkProcess) -> None:
+    """Fork process with the supervisor's signals held; the worker releases them once it
+    handles them itself (take_own_signals)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def take_own_signals() -> None:
+    """In a worker just forked: drop the supervisor's signal handlers and wake-up fd, then
+    let the signals held during the fork arrive. SIGTERM stops it at once until the server
+    handles it; SIGHUP is ignored until the server handles it (reopen the audit log); SIGINT
+    always: Ctrl-C reaches the whole process group, and the supervisor alone decides."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SUPERVISOR_SIGNALS)
+
+
 def _share_imports(config: Config) -> None:
     """Import what every worker runs, then keep the garbage collector off those objects (its
     passes would write to their pages, which forked workers then copy)."""
@@ -187,17 +213,12 @@ def _share_imports(config: Config) -> None:
 
 
 def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
-    # Forked: the parent's signal handlers and wake-up fd are this process's until replaced.
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until run_server handles it
+    take_own_signals()
     # prometheus_client chose its value class when the parent imported it, before the
     # shared metrics directory existed: choose again, now that it does.
     prometheus_values.ValueClass = prometheus_values.get_value_class()  # type: ignore[no-untyped-call]
     configure_server_logging(config.server, worker=index)
     register_worker(index)
-    # Ctrl-C reaches the whole process group: the parent alone decides, and forwards SIGTERM.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(config.server.shutdown_timeout)
     certificate = ensure_certificate(config.server)
     raise SystemExit(run_loop(run_server(config, ssl_context(certificate), generated_ca,

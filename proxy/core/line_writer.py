@@ -3,7 +3,8 @@ list append: the lines of HAND_OVER_SECONDS are handed over at once, and the thr
 writes them to a file descriptor in chunks of whole lines of at most PIPE_BUF bytes (so
 that the lines of several processes on one pipe never interleave mid-line). A stuck reader
 (a full pipe) never blocks requests: beyond a bounded backlog, lines are dropped, counted
-and reported. close() writes out everything handed over."""
+and reported by the writer thread (the report goes to the same stuck output: only that
+thread may wait on it). close() writes out everything handed over."""
 
 from __future__ import annotations
 
@@ -22,34 +23,50 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = select.PIPE_BUF
 # Characters handed over and not yet written beyond which new lines are dropped.
 BACKLOG_SIZE = 4 << 20
+# How lines are encoded unless told (a server passes sys.stderr's, as a logging.StreamHandler
+# on it wrote them before): a path's undecodable bytes come out as \udcXX escapes.
+ENCODING, ERRORS = "utf-8", "backslashreplace"
 # How long lines wait on the loop before they are handed to the writer thread: handing over
 # a batch wakes the thread, which then wants the GIL (per loop iteration, that switching
 # costs more than building the lines).
 HAND_OVER_SECONDS = 0.02
 # How often drops are reported (a WARNING line through the ordinary log).
 REPORT_SECONDS = 60.0
+# How long a clean stop waits for the lines to be written (within the margin a worker's
+# supervisor gives it beyond the grace period).
+CLOSE_SECONDS = 2.0
 _STOP = None
 
 
 class BatchedLineWriter:
     """Lines (each ending in a newline) to fd, written by a thread in batches."""
 
-    def __init__(self, fd: int, backlog_size: int = BACKLOG_SIZE) -> None:
+    def __init__(self, fd: int, backlog_size: int = BACKLOG_SIZE, encoding: str = ENCODING,
+                 errors: str = ERRORS) -> None:
         self._fd = fd
         self._backlog_size = backlog_size
+        self._encoding, self._errors = encoding, errors
         self._pending: list[str] = []
         self._handed: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
         # Characters handed over and written, counted by one thread each: their difference
         # is the backlog.
         self._handed_size = 0  # the loop's
         self._written_size = 0  # the writer thread's
-        self.dropped = 0  # lines, since the start
+        # Lines dropped since the start, each count kept by one thread: beyond the backlog
+        # (the loop's), and lost to a failed write (the writer thread's).
+        self._refused = 0
+        self._lost = 0
         self._reported_dropped = 0
-        self._last_report = 0.0
+        self._last_report: float | None = None
         # Started with the first line: a process that writes none (a supervisor that forks
         # the workers) has no thread.
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def dropped(self) -> int:
+        """Lines not written, since the start."""
+        return self._refused + self._lost
 
     def add(self, line: str) -> None:
         """Queue one line; handed over within HAND_OVER_SECONDS (at once outside a loop)."""
@@ -69,8 +86,7 @@ class BatchedLineWriter:
         batch, self._pending = self._pending, []
         size = sum(len(line) for line in batch)
         if self._handed_size - self._written_size + size > self._backlog_size:
-            self.dropped += len(batch)
-            self._report_drops()
+            self._refused += len(batch)  # reported by the writer thread once it gets through
             return
         self._handed_size += size
         if self._thread is None:
@@ -79,25 +95,27 @@ class BatchedLineWriter:
             self._thread.start()
         self._handed.put(batch)
 
-    def _report_drops(self) -> None:
+    def _report_drops(self, final: bool = False) -> None:
+        # On the writer thread only: the report may wait on the output as lines do.
+        dropped = self.dropped
         now = time.monotonic()
-        if now - self._last_report < REPORT_SECONDS:
+        recently = self._last_report is not None and now - self._last_report < REPORT_SECONDS
+        if dropped == self._reported_dropped or (recently and not final):
             return
-        log.warning("%d log lines dropped: their output (fd %d) is not read fast enough "
-                    "(%d dropped since the start)", self.dropped - self._reported_dropped,
-                    self._fd, self.dropped)
-        self._reported_dropped, self._last_report = self.dropped, now
+        log.warning("%d log lines dropped: their output (fd %d) was not read fast enough, or "
+                    "could not be written (%d dropped since the start)",
+                    dropped - self._reported_dropped, self._fd, dropped)
+        self._reported_dropped, self._last_report = dropped, now
 
-    def flush(self, timeout: float = 1.0) -> None:
-        """Hand over what this iteration queued and wait (at most timeout) until written."""
+    def flush(self) -> None:
+        """Hand over what is queued now, without waiting for it to be written (the thread
+        writes it at once; the output is not reopened, so there is nothing to wait for)."""
         if self._pending:
             self._hand_over()
-        deadline = time.monotonic() + timeout
-        while self._written_size < self._handed_size and time.monotonic() < deadline:
-            time.sleep(0.005)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Write out everything queued, then stop the thread (idempotent)."""
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Write out everything queued, then stop the thread (idempotent); a stuck output
+        gets at most timeout."""
         if self._closed:
             return
         if self._pending:
@@ -111,28 +129,34 @@ class BatchedLineWriter:
         while True:
             batch = self._handed.get()
             if batch is _STOP:
+                self._report_drops(final=True)
                 return
-            chunk: list[str] = []
+            # Chunks counted in bytes (a path may hold multi-byte characters), each of whole
+            # lines; a line longer than a chunk goes alone.
+            chunk: list[bytes] = []
             size = 0
             for line in batch:
-                if size and size + len(line) > CHUNK_BYTES:
-                    self._write("".join(chunk).encode("utf-8", "replace"))
+                data = line.encode(self._encoding, self._errors)
+                if size and size + len(data) > CHUNK_BYTES:
+                    self._write(chunk)
                     chunk, size = [], 0
-                chunk.append(line)
-                size += len(line)
+                chunk.append(data)
+                size += len(data)
             if chunk:
-                self._write("".join(chunk).encode("utf-8", "replace"))
+                self._write(chunk)
             self._written_size += sum(len(line) for line in batch)
+            self._report_drops()
 
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
+    def _write(self, lines: list[bytes]) -> None:
+        view = memoryview(b"".join(lines))
         while view:
             try:
                 view = view[os.write(self._fd, view):]
             except InterruptedError:
                 continue
-            except OSError as exc:  # a closed or broken output: nothing more to do with it
+            except OSError as exc:  # a closed or broken output, a full disk: counted, let go
                 if exc.errno == errno.EAGAIN:
                     time.sleep(0.01)
                     continue
+                self._lost += len(lines)
                 return

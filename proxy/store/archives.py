@@ -138,7 +138,7 @@ class ArchiveStore:
                 return False
             shutil.rmtree(leftover, ignore_errors=True)
         else:
-            leftover.unlink(missing_ok=True)
+            leftover.unlink()  # gone meanwhile: not counted (FileNotFoundError)
         return True
 
     def _sweep_unstriped_locks(self) -> None:

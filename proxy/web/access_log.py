@@ -123,7 +123,7 @@ class AccessLines(logging.Handler):
         self._writer.add(self.line(fields, record.created))
 
     def flush(self) -> None:
-        """Wait (briefly) until every line handed over is written (SIGHUP)."""
+        """Hand every queued line to the writer thread (SIGHUP)."""
         self._writer.flush()
 
     def close(self) -> None:

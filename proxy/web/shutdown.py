@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 CUT_TIMEOUT = 1.0
 # What a process gets beyond the grace period to finish its cleanup before it is killed.
 EXIT_MARGIN = 5.0
+# How often a worker asks whether its parent is still there (besides the pipe that says so).
+PARENT_CHECK_SECONDS = 1.0
 
 
 class StopSignals:
@@ -93,11 +95,16 @@ def die_with_parent(grace: float) -> None:
     if parent is None:
         return
     # The parent holds the other end of this pipe: it reads as closed once the parent is gone
-    # (also when that happened before this thread started).
+    # (also when that happened before this thread started). Workers forked after this one
+    # hold it too (a fork copies the parent's descriptors), so one that hangs would keep it
+    # open: whether the parent is still this process's parent is asked as well.
     sentinel = parent.sentinel
+    parent_pid = parent.pid
 
     def watch() -> None:
-        multiprocessing.connection.wait([sentinel])
+        while not multiprocessing.connection.wait([sentinel], PARENT_CHECK_SECONDS):
+            if os.getppid() != parent_pid:
+                break
         log.warning("the parent process is gone; shutting down")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace + EXIT_MARGIN)
