@@ -77,6 +77,40 @@ async def test_followers_get_bytes_before_they_reach_the_disk(
     assert blobs.path_of(stored.info.key).read_bytes() == data
 
 
+async def test_a_follower_gets_the_first_chunk_before_the_fill_reads_on(
+        tmp_path: Path) -> None:
+    """Bytes already buffered are read without giving way to other tasks: the first chunk
+    reaches a waiting follower (a client's first byte) before the fill reads the next."""
+    data = package(1 << 20)
+    read = 0
+
+    async def buffered() -> AsyncIterator[bytes]:  # never suspends between chunks
+        nonlocal read
+        for offset in range(0, len(data), 16 << 10):
+            read += 1
+            yield data[offset:offset + (16 << 10)]
+
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await new_spool(blobs, len(data))
+    chunks = spool.chunks()
+
+    async def follow() -> tuple[bytes, int]:
+        chunk = await chunks.__anext__()
+        return bytes(chunk), read  # what the fill had read when the follower got it
+
+    first = asyncio.create_task(follow())
+    await asyncio.sleep(0)  # the follower waits for bytes
+    fill = asyncio.create_task(store_package(blobs, KEY, buffered(),
+                                             hashlib.sha256(data).hexdigest(), spool))
+    got, read_by_then = await first
+    assert got and data.startswith(got)
+    assert read_by_then == 1
+    followed = bytearray(got)
+    followed += b"".join([bytes(chunk) async for chunk in chunks])
+    await fill
+    assert bytes(followed) == data
+
+
 async def test_a_follower_behind_what_memory_holds_reads_the_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # More than the fill lets wait for the disk: most of it is on disk at the end.

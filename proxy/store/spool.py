@@ -70,6 +70,10 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
         async for chunk in chunks:
             if progress is not None:
                 progress.arrived(chunk)  # followers have it from memory now
+                if not size:
+                    # The next chunks may be buffered already, and reading them does not
+                    # give way: the followers send the first one now (a client's first byte).
+                    await asyncio.sleep(0)
             size += len(chunk)
             if not batch:
                 batch_started = time.monotonic()
