@@ -25,7 +25,13 @@ from prometheus_client.registry import Collector
 from proxy import __version__
 from proxy.core.access import METHODS, REFUSAL_KINDS, RESULTS
 from proxy.core.errors import INTEGRITY_KINDS
-from proxy.core.shared_metrics import WorkerProcesses, WorkerRestarts, shared_directory
+from proxy.core.shared_metrics import (
+    WorkerProcesses,
+    WorkerRestarts,
+    service_pids,
+    shared_directory,
+)
+from proxy.core.tree_memory import ProcessTreeMemory
 
 __all__ = ["ABORT_REASONS", "CACHE_LOOKUPS", "CONTENT_TYPE_LATEST", "DISK_FULL_KINDS",
            "UPSTREAM_OUTCOMES", "Metrics"]
@@ -218,6 +224,7 @@ class Metrics:
             MultiProcessCollector(exported, str(directory))  # type: ignore[no-untyped-call]
             exported.register(WorkerProcesses(directory))
         exported.register(WorkerRestarts(directory))  # at 0 for a single process
+        exported.register(ProcessTreeMemory(lambda: service_pids(directory)))
         PlatformCollector(registry=exported)
         exported.register(_BuildInfo())
         exported.register(_UpstreamMode(self._offline))

@@ -18,8 +18,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 __all__ = ["ENV", "WorkerProcesses", "WorkerRestarts", "count_restart", "register_worker",
-           "remove_shared_metrics", "shared_directory", "start_shared_metrics",
-           "worker_exited"]
+           "remove_shared_metrics", "service_pids", "shared_directory",
+           "start_shared_metrics", "worker_exited"]
 
 # prometheus_client reads it when it is first imported (the parent imported it before the
 # directory existed): forked workers choose its value class again (proxy.cli.workers).
@@ -51,6 +51,20 @@ def register_worker(index: int) -> None:
     directory = shared_directory()
     if directory is not None and (directory / _WORKERS).is_dir():
         (directory / _WORKERS / str(index)).write_text(str(os.getpid()))
+
+
+def service_pids(directory: Path | None) -> list[int]:
+    """The processes of this service: this one alone, or (as one of several workers) the
+    supervisor (this worker's parent) and every live worker."""
+    if directory is None:
+        return [os.getpid()]
+    pids = [os.getppid()]
+    for marker in (directory / _WORKERS).glob("*"):
+        try:
+            pids.append(int(marker.read_text()))
+        except (OSError, ValueError):  # gone, or being written
+            continue
+    return pids
 
 
 def worker_exited(directory: Path, index: int, pid: int) -> None:
