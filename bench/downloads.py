@@ -22,6 +22,8 @@ from bench.servers import Server
 from bench.session import Session, each_in_turn, in_turn, progress
 from bench.upstream import BIG
 
+MIB = 1 << 20
+
 HERD = 100
 RSS_CLIENTS = 20
 
@@ -222,7 +224,7 @@ def memory(session: Session) -> tuple[list[Figure], list[str]]:
                     proxy.get(BIG.document)
                     with MemorySampler(proxy.pid) as sampled:
                         concurrent_downloads(proxy.ca, proxy.url(BIG.archive()), RSS_CLIENTS)
-                    row["pss"].add(sampled.tree_pss_kib / 1024)
-                    row["rss"].add(sampled.tree_rss_kib / 1024)
-                    row["worker"].add(sampled.worker_rss_kib / 1024)
+                    row["pss"].add(sampled.tree_pss_bytes / MIB)
+                    row["rss"].add(sampled.tree_rss_bytes / MIB)
+                    row["worker"].add(sampled.worker_rss_bytes / MIB)
     return [figure for row in figures.values() for figure in row.values()], []

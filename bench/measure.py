@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from proxy.core.tree_memory import rollup
+
 T = TypeVar("T")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}
@@ -173,17 +175,6 @@ def peak_rss_mib(pids: Iterable[int]) -> float:
     return total / 1024
 
 
-def _rollup(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of a process in kB, from /proc/PID/smaps_rollup; (0, 0) once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0, 0
-    rss = re.search(r"^Rss:\s+(\d+) kB", text, re.MULTILINE)
-    pss = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
-    return (int(rss.group(1)) if rss else 0), (int(pss.group(1)) if pss else 0)
-
-
 class MemorySampler:
     """A server's memory while a load runs, sampled every `interval` seconds: the peak sum of
     every process's proportional set size (PSS: a page shared by n processes counts 1/n in
@@ -194,9 +185,9 @@ class MemorySampler:
         self._root = root
         self._pids = process_tree(root)
         self._interval = interval
-        self.tree_pss_kib = 0
-        self.tree_rss_kib = 0
-        self.worker_rss_kib = 0
+        self.tree_pss_bytes = 0
+        self.tree_rss_bytes = 0
+        self.worker_rss_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -210,11 +201,12 @@ class MemorySampler:
 
     def _sample(self) -> None:
         while True:
-            rollups = {pid: _rollup(pid) for pid in self._pids}
-            self.tree_rss_kib = max(self.tree_rss_kib, sum(r for r, _ in rollups.values()))
-            self.tree_pss_kib = max(self.tree_pss_kib, sum(p for _, p in rollups.values()))
-            self.worker_rss_kib = max([self.worker_rss_kib, *(
-                r for pid, (r, _) in rollups.items() if pid != self._root)])
+            # A process that is gone counts nothing: (PSS, RSS) = (0, 0).
+            rollups = {pid: rollup(pid) or (0, 0) for pid in self._pids}
+            self.tree_pss_bytes = max(self.tree_pss_bytes, sum(p for p, _ in rollups.values()))
+            self.tree_rss_bytes = max(self.tree_rss_bytes, sum(r for _, r in rollups.values()))
+            self.worker_rss_bytes = max([self.worker_rss_bytes, *(
+                r for pid, (_, r) in rollups.items() if pid != self._root)])
             if self._stop.wait(self._interval):
                 return
 

@@ -37,6 +37,24 @@ def _record(created: float, json_fields: bool) -> logging.LogRecord:
     return record
 
 
+class _Drain:
+    """Reads a pipe to its end on a thread of its own: what was written to it."""
+
+    def __init__(self, read_end: int) -> None:
+        self._received = bytearray()
+        self._thread = threading.Thread(target=self._read, args=(read_end,))
+        self._thread.start()
+
+    def _read(self, read_end: int) -> None:
+        while chunk := os.read(read_end, 65536):
+            self._received.extend(chunk)
+
+    def lines(self) -> list[str]:
+        """Once every write end is closed: the lines read."""
+        self._thread.join(10)
+        return bytes(self._received).decode(errors="replace").splitlines()
+
+
 @pytest.mark.parametrize("worker", [None, 1])
 @pytest.mark.parametrize("log_format", ["text", "json"])
 @pytest.mark.parametrize("access_format", ["plain", "json"])
@@ -72,18 +90,10 @@ def test_a_stuck_reader_drops_and_counts_lines_but_never_blocks(
     while writer.dropped == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert writer.dropped > 0
-    received = bytearray()
-
-    def drain() -> None:
-        while chunk := os.read(read_end, 65536):
-            received.extend(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
+    reader = _Drain(read_end)
     writer.close()
     os.close(write_end)
-    reader.join(10)
-    lines = bytes(received).decode().splitlines()
+    lines = reader.lines()
     assert set(lines) == {line.strip()}  # whole lines only
     assert len(lines) + writer.dropped == 20_000
     # Reported by the writer thread once it got through (it alone may wait on the output).
@@ -111,15 +121,13 @@ def test_the_drop_report_does_not_wait_on_the_stuck_output() -> None:
         adding.join(5)
         assert not adding.is_alive(), "adding lines waited on the stuck output"
     finally:
-        drained = threading.Thread(target=lambda: [None for _ in iter(
-            lambda: os.read(read_end, 65536), b"")])
-        drained.start()
+        drained = _Drain(read_end)
         adding.join(10)
         writer.close()
         reports.removeHandler(handler)
         stuck.close()
         os.close(write_end)
-        drained.join(10)
+        drained.lines()
         os.close(read_end)
 
 
@@ -176,14 +184,7 @@ def test_lines_lost_to_a_failed_output_are_counted_and_reported(
 
 def test_lines_of_writers_sharing_a_pipe_never_interleave() -> None:
     read_end, write_end = os.pipe()
-    received = bytearray()
-
-    def drain() -> None:
-        while chunk := os.read(read_end, 65536):
-            received.extend(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
+    reader = _Drain(read_end)
     writers = [BatchedLineWriter(write_end) for _ in range(2)]
 
     def write(index: int) -> None:
@@ -198,8 +199,7 @@ def test_lines_of_writers_sharing_a_pipe_never_interleave() -> None:
     for writer in writers:
         writer.close()
     os.close(write_end)
-    reader.join(10)
-    lines = bytes(received).decode().splitlines()
+    lines = reader.lines()
     assert len(lines) == 10_000
     assert all(re.fullmatch(r"[01]:\d{5}:y+", line) for line in lines)
     assert CHUNK_BYTES >= 512

@@ -83,7 +83,7 @@ async def readyz(request: web.Request) -> web.Response:
     served, and a dependency every replica shares must not take them all out of service at
     once (misses then get a 503 naming the store)."""
     if ARCHIVES_KEY not in request.app:
-        return json_response({"errors": ["still starting"]}, status=503)
+        return _still_starting()
     archives = request.app[ARCHIVES_KEY]
     problem = await quick(archives.health_problem)
     if problem:
@@ -109,28 +109,35 @@ async def status_json(request: web.Request) -> web.Response:
     """The status document, for scripts (fields: README, "Status page")."""
     report = request.app.get(STATUS_KEY)
     if report is None:
-        return json_response({"errors": ["still starting"]}, status=503)
-    response = json_response(await report.document())
-    response.headers["Cache-Control"] = "no-store"
-    return response
+        return _still_starting()
+    return _fresh_json(await report.document())
 
 
 async def inventory_json(request: web.Request) -> web.Response:
     """What the cache holds, one page (`q`: a search, `page`: from 1), for scripts."""
     inventory = request.app.get(INVENTORY_KEY)
     if inventory is None:
-        return json_response({"errors": ["still starting"]}, status=503)
-    response = json_response(await inventory.page(*_inventory_query(request)))
-    response.headers["Cache-Control"] = "no-store"
-    return response
+        return _still_starting()
+    return _fresh_json(await inventory.page(*_inventory_query(request)))
 
 
 async def inventory_page(request: web.Request) -> web.Response:
     """What the cache holds, as a page for people: searched and paged on the server."""
     inventory = request.app.get(INVENTORY_KEY)
     if inventory is None:
-        return json_response({"errors": ["still starting"]}, status=503)
+        return _still_starting()
     return _page(render_inventory_page(await inventory.page(*_inventory_query(request))))
+
+
+def _still_starting() -> web.Response:
+    return json_response({"errors": ["still starting"]}, status=503)
+
+
+def _fresh_json(document: dict[str, Any]) -> web.Response:
+    """A document of the proxy's state now: never kept by a cache on the way."""
+    response = json_response(document)
+    response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 def _inventory_query(request: web.Request) -> tuple[str, int]:
@@ -150,7 +157,7 @@ async def status_page(request: web.Request) -> web.Response:
     """The status document as a page for people."""
     report = request.app.get(STATUS_KEY)
     if report is None:
-        return json_response({"errors": ["still starting"]}, status=503)
+        return _still_starting()
     return _page(render_status_page(await report.document()))
 
 
