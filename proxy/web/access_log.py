@@ -92,18 +92,22 @@ class AccessLines(logging.Handler):
 
     def line(self, fields: dict[str, Any], created: float) -> str:
         """The line, newline included, exactly as the formatters would write it."""
-        if self._json or self._json_text:
-            entry: dict[str, Any] = {"time": json_time(created), "level": "INFO",
-                                     "logger": ACCESS_LOGGER}
-            if self._worker is not None:
-                entry["worker"] = self._worker
-            if self._json:
-                entry.update(fields)
-            else:
-                entry["message"] = plain_text(fields)
-            return json.dumps(entry, separators=(",", ":")) + "\n"
-        return f"{self._asctime(created)} INFO {self._who}{ACCESS_LOGGER}: " \
-            f"{plain_text(fields)}\n"
+        if self._json:
+            return self._json_line(created, "INFO", fields)
+        return self._text_line(created, "INFO", plain_text(fields))
+
+    def _text_line(self, created: float, level: str, message: str) -> str:
+        if self._json_text:
+            return self._json_line(created, level, {"message": message})
+        return f"{self._asctime(created)} {level} {self._who}{ACCESS_LOGGER}: {message}\n"
+
+    def _json_line(self, created: float, level: str, content: dict[str, Any]) -> str:
+        entry: dict[str, Any] = {"time": json_time(created), "level": level,
+                                 "logger": ACCESS_LOGGER}
+        if self._worker is not None:
+            entry["worker"] = self._worker
+        entry.update(content)
+        return json.dumps(entry, separators=(",", ":")) + "\n"
 
     def _asctime(self, created: float) -> str:
         """logging.Formatter's %(asctime)s: local time, with milliseconds after a comma."""
@@ -114,13 +118,15 @@ class AccessLines(logging.Handler):
         return f"{self._second_text},{int((created - second) * 1000):03d}"
 
     def emit(self, record: logging.LogRecord) -> None:
-        """A record logged to the access logger some other way: the same line."""
+        """A record logged to the access logger some other way: the line the formatters
+        wrote for it (its fields, as a JSON access line; else its masked message)."""
         fields = getattr(record, ACCESS_FIELDS, None)
-        if not isinstance(fields, dict):
-            fields = {"remote": "-", "method": "-", "path": mask_secrets(record.getMessage()),
-                      "status": "-", "bytes": "-", "duration_ms": "-", "cache": "-",
-                      "aborted": "-"}
-        self._writer.add(self.line(fields, record.created))
+        if self._json and isinstance(fields, dict):
+            line = self._json_line(record.created, record.levelname, fields)
+        else:
+            line = self._text_line(record.created, record.levelname,
+                                   mask_secrets(record.getMessage()))
+        self._writer.add(line)
 
     def flush(self) -> None:
         """Hand every queued line to the writer thread (SIGHUP)."""
