@@ -16,7 +16,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from aiohttp.test_utils import TestClient
 
-from proxy.config import load_config
+from proxy.config import ConfigError, load_config
 from proxy.web.oidc import OidcVerifier, TokenRefused
 from tests.conftest import AppClient
 from tests.support.fake_registry import FakeRegistry
@@ -341,3 +341,35 @@ def test_terraform_init_with_a_jwt_in_tf_token_installs_and_fails_cleanly_once_e
                           for line in served if line["event"] == "served")
     assert any(line.get("identity", {}).get("subject") == "repo:acme/infra:ref:refs/heads/main"
                for line in served)
+
+
+@pytest.mark.parametrize(("providers", "problem"), [
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     '[[auth.oidc.rules]]\nallow = ["*/*/*"]\n',
+     "auth.oidc 'ci': give exactly one of jwks_file"),
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "http://ci.example/keys"\n[[auth.oidc.rules]]\nallow = ["*/*/*"]\n',
+     "auth.oidc 'ci': jwks_url: expected an https URL"),
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "https://ci.example/keys"\n',
+     "auth.oidc 'ci': expected at least one [[auth.oidc.rules]] table"),
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "https://ci.example/keys"\n[[auth.oidc.rules]]\nclaims = { sub = 1 }\n'
+     'allow = ["*/*/*"]\n',
+     "auth.oidc 'ci' rule 1: claims: expected a table of claim"),
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "https://ci.example/keys"\n[[auth.oidc.rules]]\nallow = ["*/*/*"]\n'
+     'alow = ["x"]\n',
+     "auth.oidc 'ci' rule 1.alow: unknown key (did you mean auth.oidc 'ci' rule 1.allow?)"),
+    ('[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "https://ci.example/keys"\n[[auth.oidc.rules]]\nallow = ["*/*/*"]\n'
+     '[[auth.oidc]]\nname = "ci"\nissuer = "https://ci.example"\naudience = "proxy"\n'
+     'jwks_url = "https://ci.example/keys"\n[[auth.oidc.rules]]\nallow = ["*/*/*"]\n',
+     "auth.oidc: the name 'ci' is given to more than one provider"),
+])
+def test_each_mistake_in_an_oidc_table_is_named(tmp_path: Path, providers: str,
+                                                 problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_text(tmp_path / "p.toml", providers), environ={})
+    assert any(found.startswith(problem) for found in caught.value.problems), \
+        caught.value.problems

@@ -17,8 +17,11 @@ from proxy.config.settings import (
     PolicyRule,
     parse_duration,
 )
+from proxy.core.activity import Activity
+from proxy.core.errors import Unavailable
 from proxy.core.executors import serving
 from proxy.core.metrics import Metrics
+from proxy.protocols.version_policy import VersionPolicy
 from proxy.store.disk import open_disk_storage
 from proxy.verification.release_times import ReleaseTimes, first_sightings, with_carried
 
@@ -114,3 +117,29 @@ def test_carried_sightings_merge_the_earlier_and_ignore_garbage() -> None:
     assert first_sightings(merged) == {"1.0.0": NOW - 5, "3.0.0": NOW - 9}
     assert merged["fetched_at"] == NOW
     assert first_sightings(None) == {} and first_sightings({"versions": []}) == {}
+
+
+async def test_a_version_without_a_release_time_is_not_looked_up_on_every_list(
+        tmp_path: Path) -> None:
+    """Upstream failing (or no platform served): the version counts as new, and the lists
+    that show it do not each wait on the same failing lookup again within a minute."""
+    clock = [NOW]
+    asked: list[str] = []
+
+    async def unsigned(_address: str, version: str) -> float | None:
+        asked.append(version)
+        raise Unavailable("upstream is down")
+
+    async with serving(), AsyncExitStack() as opened:
+        storage = await open_disk_storage(CacheConfig(dir=tmp_path / "cache"), Metrics(),
+                                          opened)
+        policy = VersionPolicy(POLICY, ReleaseTimes(storage.index, clock=lambda: clock[0]),
+                               Metrics(), Activity(), clock=lambda: clock[0])
+        policy.dated_by("provider", unsigned)
+        target = "registry.terraform.io/hashicorp/beta"  # a 24 h cooldown
+        for _ in range(3):
+            assert await policy.visible("provider", target, target, ["1.0.0"]) == []
+        assert asked == ["1.0.0"]
+        clock[0] += 61
+        await policy.visible("provider", target, target, ["1.0.0"])
+        assert asked == ["1.0.0", "1.0.0"]  # tried again once the minute is over

@@ -402,8 +402,10 @@ def test_terraform_init_under_a_cooldown_a_lock_file_an_exception_and_a_sighup_d
         # A policy that does not parse keeps the one in force.
         config.write_text(config.read_text() + '\n[[policy.deny]]\nmatch = "nonsense"\n')
         _hangup(proxy, "does not load, the version policy in force stays")
-        with pytest.raises(urllib.error.HTTPError):
+        with pytest.raises(urllib.error.HTTPError) as still_refused:
             proxy.get(package)
+        assert still_refused.value.code == 403
+        assert "pulled by the vendor" in still_refused.value.read().decode()
         assert proxy.process.poll() is None
 
 

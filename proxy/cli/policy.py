@@ -17,9 +17,8 @@ from proxy.core.activity import Activity
 from proxy.core.metrics import Metrics
 from proxy.protocols.policy_report import Checked, PolicyReport
 from proxy.protocols.version_policy import VersionPolicy, describe
+from proxy.store.contents import DEFAULT_HOST
 from proxy.verification.release_times import ReleaseTimes
-
-_DEFAULT_HOST = "registry.terraform.io"
 
 
 def add_policy_options(command: argparse.ArgumentParser) -> None:
@@ -92,7 +91,7 @@ def _document(checked: Checked) -> dict[str, object]:
 
 def _full(address: str) -> str:
     """NAMESPACE/NAME as registry.terraform.io/NAMESPACE/NAME."""
-    return f"{_DEFAULT_HOST}/{address}" if address.count("/") == 1 and \
+    return f"{DEFAULT_HOST}/{address}" if address.count("/") == 1 and \
         not address.startswith("releases/") else address
 
 

@@ -10,11 +10,10 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from proxy.config.settings import AuthConfig, OidcProvider, OidcRule, Secret
+from proxy.core.access import PULL_PATTERN
 
 _TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _PROVIDER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
-# An allow pattern: HOST/NAMESPACE/NAME globs, or releases/PRODUCT.
-_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]-]+(/[A-Za-z0-9._*?\[\]-]+){2}|releases/[a-z*?]+")
 _OIDC_KEYS = ("name", "issuer", "audience", "jwks_file", "jwks_url", "leeway", "rules")
 
 
@@ -102,7 +101,7 @@ def _patterns(where: str, raw: object, problems: list[str]) -> tuple[str, ...]:
                         '"registry.terraform.io/hashicorp/*" or "releases/terraform"')
         return ()
     for pattern in raw:
-        if not _PATTERN.fullmatch(pattern):
+        if not PULL_PATTERN.fullmatch(pattern):
             problems.append(f"{where}: {pattern[:80]!r} is not HOST/NAMESPACE/NAME (globs "
                             "allowed) nor releases/terraform or releases/opentofu")
     return tuple(raw)
@@ -154,12 +153,13 @@ def _provider(index: int, entry: dict[str, Any], fields: Fields) -> OidcProvider
     if jwks_file is not None and not jwks_file.is_file():
         problems.append(f"{where}: jwks_file: no such file {str(jwks_file)!r}")
     leeway = fields.number(f"{where}: leeway", entry, "leeway", 60.0)
-    rules = _rules(where, entry.get("rules"), problems)
+    rules = _rules(where, entry.get("rules"), fields)
     return OidcProvider(name=name, issuer=issuer, audiences=tuple(audiences),
                         jwks_file=jwks_file, jwks_url=jwks_url, leeway=leeway, rules=rules)
 
 
-def _rules(where: str, raw: object, problems: list[str]) -> tuple[OidcRule, ...]:
+def _rules(where: str, raw: object, fields: Fields) -> tuple[OidcRule, ...]:
+    problems = fields.problems
     if not isinstance(raw, list) or not raw or not all(isinstance(r, dict) for r in raw):
         problems.append(f"{where}: expected at least one [[auth.oidc.rules]] table (claims "
                         "to match, and what a matching token may pull)")
@@ -167,9 +167,7 @@ def _rules(where: str, raw: object, problems: list[str]) -> tuple[OidcRule, ...]
     rules = []
     for number, rule in enumerate(raw, 1):
         at = f"{where} rule {number}"
-        unknown = set(rule) - {"claims", "allow"}
-        if unknown:
-            problems.append(f"{at}: unknown key {sorted(unknown)[0]!r} (claims, allow)")
+        fields.unknown(rule, f"{at}.", ("claims", "allow"))
         claims = rule.get("claims", {})
         if not isinstance(claims, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in claims.items()):

@@ -4,14 +4,12 @@ of the configuration; `serve` reads it again on SIGHUP (proxy.cli.server)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from proxy.config.settings import PolicyConfig, PolicyException, PolicyRule, parse_duration
+from proxy.core.access import PULL_PATTERN
 from proxy.core.constraints import parse_constraint
 
-# What `match` may be: a HOST/NAMESPACE/NAME glob, or releases/PRODUCT.
-_MATCH = re.compile(r"[A-Za-z0-9._:*?\[\]-]+(/[A-Za-z0-9._*?\[\]-]+){2}|releases/[a-z*?]+")
 _KEYS = ("min_release_age", "rules", "deny", "allow")
 
 
@@ -52,7 +50,7 @@ def _entries(name: str, table: dict[str, Any], problems: list[str],
         for key in sorted(set(entry) - set(keys)):
             problems.append(f"{where}.{key}: unknown key ({', '.join(keys)})")
         match = entry.get("match")
-        if not isinstance(match, str) or not _MATCH.fullmatch(match):
+        if not isinstance(match, str) or not PULL_PATTERN.fullmatch(match):
             problems.append(f"{where}.match: expected HOST/NAMESPACE/NAME (globs allowed), or "
                             "releases/terraform or releases/opentofu")
             continue

@@ -7,6 +7,7 @@ provider's type, a module's name: a module's target system is not matched) and
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,6 +18,11 @@ RESULTS = ("ok", "missing", "invalid", "expired", "forbidden")
 # Why the version policy refused a version: the `reason` label of
 # tfproxy_policy_refusals_total.
 REFUSAL_KINDS = ("cooldown", "deny")
+
+
+# What an allow pattern, or a policy entry's match, may be: a HOST/NAMESPACE/NAME glob, or
+# releases/PRODUCT (matched against pull_target).
+PULL_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]-]+(/[A-Za-z0-9._*?\[\]-]+){2}|releases/[a-z*?]+")
 
 
 def pull_target(kind: str, host: str, namespace: str, name: str) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.config.policy import Verdict
-from proxy.core.access import allows
+from proxy.core.access import allows, pull_target
 from proxy.core.errors import BadRequest
 from proxy.core.models import ModuleAddress, ProviderAddress
 from proxy.protocols.version_policy import (
@@ -128,6 +128,6 @@ def _named(kind: str, address: str) -> tuple[str, str, str] | None:
     except BadRequest:
         return None
     if kind == "cli" and len(parts) == 1 and parts[0] in ("terraform", "opentofu"):
-        return kind, parts[0], f"releases/{parts[0]}"
+        return kind, parts[0], pull_target("cli", "", "", parts[0])
     return None
 

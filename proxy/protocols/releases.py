@@ -15,6 +15,7 @@ import logging
 from collections import OrderedDict
 
 from proxy.config import UpstreamConfig
+from proxy.core.access import pull_target
 from proxy.core.activity import Activity
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog
 from proxy.core.errors import (
@@ -127,8 +128,8 @@ class CliReleases:
             upstream = [name for name in listed.get(version, [])
                         if product.kind_of(version, name) != "signature" or name in files]
             merged[version] = upstream + [name for name in files if name not in upstream]
-        shown = set(await self._policy.visible("cli", product.name, f"releases/{product.name}",
-                                               list(merged)))
+        target = pull_target("cli", "", "", product.name)
+        shown = set(await self._policy.visible("cli", product.name, target, list(merged)))
         return {version: merged[version]
                 for version in sorted(merged, key=version_sort_key, reverse=True)
                 if version in shown}

@@ -44,6 +44,11 @@ _HELD = 4096
 _WARNED = 5
 # A client listing again is told (an audit line) about the same hidden version this rarely.
 _TELL_AGAIN_SECONDS = 600.0
+# Release times held in memory (each one read again from the store once forgotten).
+_RELEASES_HELD = 1 << 16
+# A version whose release time could not be found (upstream failing, no platform served) is
+# not looked up again for this long: lists of it must not wait on it every time.
+_RETRY_SECONDS = 60.0
 # A version a list left out, and the verdict that did.
 Hidden = tuple[str, Verdict]
 
@@ -84,7 +89,9 @@ class VersionPolicy:
         self._clock = clock
         self._signed: dict[str, SignedAt] = {}
         # Release times found, by (kind, address, version): they never change.
-        self._released: dict[tuple[str, str, str], float] = {}
+        self._released: OrderedDict[tuple[str, str, str], float] = OrderedDict()
+        # Versions found without a release time: until when they count as new untried.
+        self._unknown: OrderedDict[tuple[str, str, str], float] = OrderedDict()
         self._finding: dict[tuple[str, str, str], asyncio.Task[float | None]] = {}
         # What the last version list of each address left out, and why.
         self._hidden: OrderedDict[tuple[str, str], tuple[Hidden, ...]] = OrderedDict()
@@ -202,6 +209,8 @@ class VersionPolicy:
         found = self._released.get(key)
         if found is not None:
             return found
+        if self._unknown.get(key, 0.0) > self._clock():
+            return None
         task = self._finding.get(key)
         if task is None:
             task = asyncio.ensure_future(self._find(kind, address, version))
@@ -235,9 +244,13 @@ class VersionPolicy:
         except ProxyError as exc:  # unknown for now: counts as new, tried again later
             log.debug("version policy: no release time for %s %s: %s", address, version,
                       exc.message)
-            return None
-        if found is not None:
-            self._released[(kind, address, version)] = found
+            found = None
+        key = (kind, address, version)
+        if found is None:
+            keep_recent(self._unknown, key, self._clock() + _RETRY_SECONDS, _RELEASES_HELD)
+        else:
+            self._unknown.pop(key, None)
+            keep_recent(self._released, key, found, _RELEASES_HELD)
         return found
 
     async def list_tag(self, kind: str, address: str, target: str,
