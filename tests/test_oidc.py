@@ -222,6 +222,39 @@ async def test_an_unknown_key_reads_the_url_keys_once_more_then_at_most_once_a_m
     assert fetches() == 2
 
 
+async def test_keys_that_cannot_be_read_cost_one_read_a_minute_and_old_keys_keep_working(
+        client: TestClient, registry: FakeRegistry, ec_key: SigningKey) -> None:  # type: ignore[type-arg]
+    def gitlab(key: SigningKey) -> str:  # type: ignore[type-arg]
+        return key.sign(claims(iss=GITLAB, namespace_path="acme"))
+
+    def fetches() -> int:
+        return registry.paths().count("/oidc/jwks")
+
+    published = registry.jwks
+    registry.jwks = {"keys": "not a key set"}  # the issuer's URL answers garbage
+    before = fetches()
+    for _ in range(3):
+        assert (await status_of(client, f"{NULL}/index.json", gitlab(ec_key)))[0] == 401
+    assert fetches() == before + 1
+    registry.jwks = published
+
+
+async def test_a_failed_read_of_the_keys_keeps_the_keys_read_before(
+        client: TestClient, registry: FakeRegistry, ec_key: SigningKey) -> None:  # type: ignore[type-arg]
+    def gitlab(key: SigningKey) -> str:  # type: ignore[type-arg]
+        return key.sign(claims(iss=GITLAB, namespace_path="acme"))
+
+    assert (await status_of(client, f"{NULL}/index.json", gitlab(ec_key)))[0] == 200
+    published = registry.jwks
+    registry.jwks = {"keys": "not a key set"}
+    # An unknown key ID makes it read the keys again: that read fails...
+    assert (await status_of(client, f"{NULL}/index.json", gitlab(SigningKey("ES256"))))[0] \
+        == 401
+    # ...and the keys it had still verify.
+    assert (await status_of(client, f"{NULL}/index.json", gitlab(ec_key)))[0] == 200
+    registry.jwks = published
+
+
 async def test_a_key_rotated_in_the_jwks_file_is_picked_up_without_a_restart(
         client: TestClient, keys_file: Path, rsa_key: SigningKey) -> None:  # type: ignore[type-arg]
     assert (await status_of(client, f"{NULL}/index.json", rsa_key.sign(claims())))[0] == 200

@@ -23,7 +23,7 @@ from proxy.core.access import Identity, pull_target
 from proxy.core.errors import Forbidden, Unauthorized
 from proxy.web.artifacts import named_artifact
 from proxy.web.oci_tokens import issued_token
-from proxy.web.oidc import OidcVerifier, TokenRefused, looks_like_jwt
+from proxy.web.oidc import OidcVerifier, TokenRefused, looks_like_jwt, rule_label
 from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
 
 SIGNER_KEY = web.AppKey("url_signer", UrlSigner)
@@ -146,6 +146,8 @@ class Authenticator:
         self._config = config
         self._tokens = tuple(t.value.encode() for t in config.tokens)
         self._count = count
+        # The identities OCI tokens may be issued to, by binding: made once per URL signer.
+        self._issuable: tuple[UrlSigner, dict[str, Identity]] | None = None
 
     def for_route(self, route: str) -> Authenticate | None:
         """The check each request to route must pass; None where clients need not
@@ -216,15 +218,8 @@ class Authenticator:
         if scheme.lower() != "bearer":
             return None
         signer = request.app[SIGNER_KEY]
-        known = {signer.binding(token): static_identity(self._config, index)
-                 for index, token in enumerate(self._tokens)}
-        for provider in self._config.oidc:
-            for number, rule in enumerate(provider.rules, 1):
-                admitted = Identity(name="", method="oidc",
-                                    rules=f"auth.oidc {provider.name!r} rule {number}",
-                                    allow=rule.allow)
-                known[_rule_binding(signer, admitted)] = admitted
-        issued = issued_token(signer, presented.strip(), frozenset(known))
+        known = self._issuable_to(signer)
+        issued = issued_token(signer, presented.strip(), known.keys())
         if issued is None:
             return None
         binding, name = issued
@@ -234,6 +229,21 @@ class Authenticator:
         if name:
             request[TOKEN_NAME_KEY] = name
         return identity
+
+    def _issuable_to(self, signer: UrlSigner) -> dict[str, Identity]:
+        """Every static token's identity and every OIDC rule's, by the binding an OCI token
+        issued to it carries."""
+        if self._issuable is not None and self._issuable[0] is signer:
+            return self._issuable[1]
+        known = {signer.binding(token): static_identity(self._config, index)
+                 for index, token in enumerate(self._tokens)}
+        for provider in self._config.oidc:
+            for number, rule in enumerate(provider.rules, 1):
+                admitted = Identity(name="", method="oidc", rules=rule_label(provider, number),
+                                    allow=rule.allow)
+                known[_rule_binding(signer, admitted)] = admitted
+        self._issuable = (signer, known)
+        return known
 
     def _signed(self, request: web.Request) -> None:
         """A signed archive URL (clients send no credentials there): valid, or 401."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from collections.abc import Collection
 from urllib.parse import parse_qs
 
 from proxy.web.url_signing import EXPIRES, SIGNATURE, SIGNED_FOR, UrlSigner
@@ -33,7 +34,7 @@ def issue_token(signer: UrlSigner, token_name: str | None, binding: str | None,
 
 
 def issued_token(signer: UrlSigner, presented: str,
-                 bindings: frozenset[str]) -> tuple[str, str] | None:
+                 bindings: Collection[str]) -> tuple[str, str] | None:
     """The binding and name of what an issued bearer token was given for, if it is one of
     ours, has not expired and what it was issued for is still configured (its binding is
     among bindings); None otherwise."""

@@ -30,6 +30,8 @@ from proxy.core.access import Identity
 from proxy.core.errors import Forbidden, Unauthorized
 from proxy.core.executors import quick
 from proxy.core.held import keep_recent
+from proxy.core.singleflight import SingleFlight
+from proxy.store.file_identity import FileIdentity, identity_of
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +63,22 @@ class KeySet:
         self._provider = provider
         self._fetch = fetch
         self._keys: jwt.PyJWKSet | None = None
-        self._file_seen: tuple[int, int, int] | None = None
-        self._refreshed_at = float("-inf")  # the last read for a key it lacked
+        self._file_seen: FileIdentity | None = None
+        # Reads for want of a key are at most one a minute, so that random key IDs cost one
+        # read a minute (the last read for a key ID it lacked), and so does a failing URL
+        # (the last read that failed).
+        self._refreshed_at = float("-inf")
+        self._failed_at = float("-inf")
+        self._loads: SingleFlight[jwt.PyJWKSet | None] = SingleFlight()
 
     async def key(self, key_id: str | None) -> jwt.PyJWK | None:
         """The key named key_id (the only one, when the token names none); looked up once
         more in a fresh copy of the set when it is not there (rate-limited)."""
         keys = await self._current()
         found = _pick(keys, key_id)
-        if found is None and time.monotonic() - self._refreshed_at >= REFRESH_SECONDS:
-            self._refreshed_at = time.monotonic()  # random key IDs cost one read a minute
+        if found is None and keys is not None and \
+                time.monotonic() - self._refreshed_at >= REFRESH_SECONDS:
+            self._refreshed_at = time.monotonic()
             found = _pick(await self._load(), key_id)
         return found
 
@@ -78,33 +86,37 @@ class KeySet:
         if self._provider.jwks_file is not None:
             seen = await quick(_file_identity, self._provider.jwks_file)
             if seen != self._file_seen:  # written since: rotation picked up at once
-                return await self._load()
-        if self._keys is None:
+                return await self._load(seen)
+        if self._keys is None and time.monotonic() - self._failed_at >= REFRESH_SECONDS:
             return await self._load()
         return self._keys
 
-    async def _load(self) -> jwt.PyJWKSet | None:
+    async def _load(self, seen: FileIdentity | None = None) -> jwt.PyJWKSet | None:
+        """The keys read again (requests at the same time share one read)."""
+        return await self._loads.run("keys", lambda: self._read(seen))
+
+    async def _read(self, seen: FileIdentity | None) -> jwt.PyJWKSet | None:
         provider = self._provider
         try:
             if provider.jwks_file is not None:
-                self._file_seen = await quick(_file_identity, provider.jwks_file)
+                self._file_seen = seen or await quick(_file_identity, provider.jwks_file)
                 body = await quick(provider.jwks_file.read_bytes)
             else:
                 assert self._fetch is not None and provider.jwks_url is not None
                 body = await self._fetch(provider.jwks_url)
             self._keys = jwt.PyJWKSet.from_dict(json.loads(body))
         except Exception as exc:  # the old keys (if any) keep working
+            self._failed_at = time.monotonic()
             log.warning("auth.oidc %r: cannot read its keys (%s): %s", provider.name,
                         provider.jwks_file or provider.jwks_url, exc)
         return self._keys
 
 
-def _file_identity(path: os.PathLike[str]) -> tuple[int, int, int] | None:
+def _file_identity(path: os.PathLike[str]) -> FileIdentity | None:
     try:
-        found = os.stat(path)
+        return identity_of(os.stat(path))
     except OSError:
         return None
-    return found.st_ino, found.st_size, found.st_mtime_ns
 
 
 def _pick(keys: jwt.PyJWKSet | None, key_id: str | None) -> jwt.PyJWK | None:
@@ -185,6 +197,12 @@ class OidcVerifier:
         return _admitted(provider, claims)
 
 
+def rule_label(provider: OidcProvider, number: int) -> str:
+    """How an identity names the rule that admitted it (OCI tokens issued to it are bound
+    to this text)."""
+    return f"auth.oidc {provider.name!r} rule {number}"
+
+
 def _admitted(provider: OidcProvider, claims: dict[str, Any]) -> Identity:
     """The identity of verified claims under the first rule they match; Forbidden if none."""
     subject = str(claims.get("sub", ""))
@@ -193,7 +211,7 @@ def _admitted(provider: OidcProvider, claims: dict[str, Any]) -> Identity:
         if all(value is not None and fnmatch.fnmatchcase(value, pattern)
                for value, pattern in zip(values.values(), rule.claims.values(), strict=True)):
             return Identity(name=f"{provider.name}:{subject}"[:200], method="oidc",
-                            rules=f"auth.oidc {provider.name!r} rule {number}",
+                            rules=rule_label(provider, number),
                             allow=rule.allow, issuer=provider.issuer, subject=subject,
                             claims={k: v for k, v in values.items() if v is not None},
                             expires_at=float(claims["exp"]))
