@@ -162,19 +162,6 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total / CLOCK_TICKS
 
 
-def peak_rss_mib(pids: Iterable[int]) -> float:
-    """The processes' peak resident set sizes (VmHWM), added up, in MiB."""
-    total = 0
-    for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        match = re.search(r"VmHWM:\s+(\d+) kB", status)
-        total += int(match.group(1)) if match else 0
-    return total / 1024
-
-
 class MemorySampler:
     """A server's memory while a load runs, sampled every `interval` seconds: the peak sum of
     every process's proportional set size (PSS: a page shared by n processes counts 1/n in

@@ -33,7 +33,7 @@ from bench.measure import load_average  # noqa: E402
 from bench.servers import ensure_tools  # noqa: E402
 from bench.session import Session, Settings, progress  # noqa: E402
 from bench.upstream import Upstream, big_zip  # noqa: E402
-from proxy.config.settings import available_cpus  # noqa: E402
+from proxy.core.cpus import available_cpus  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 Group = Callable[[Session], tuple[list[Figure], list[str]]]

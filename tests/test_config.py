@@ -13,6 +13,7 @@ from proxy.config import (
     load_config,
     parse_size,
 )
+from proxy.core.cpus import process_cpus
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -219,9 +220,11 @@ max_concurrent_fills = 2
 
 
 def test_workers_default_to_one_per_available_cpu_and_a_number_wins(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4}, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 5)
+    process_cpus.cache_clear()  # read once per process: read again under the patches
+    request.addfinalizer(process_cpus.cache_clear)
     assert load_config(None, environ={}).server.workers == 5
     assert load_config(write(tmp_path, '[server]\nworkers = "auto"\n'),
                        environ={}).server.workers == 5

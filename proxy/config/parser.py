@@ -31,7 +31,7 @@ from proxy.config.settings import (
     default_state_dir,
     parse_size,
 )
-from proxy.core.cpus import usable_cpus
+from proxy.core.cpus import process_cpus
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
 from proxy.core.redaction import excerpt
@@ -423,7 +423,7 @@ class _Parser:
         can use (affinity mask, cgroup quota); and why that many."""
         value = table.get("workers", "auto")
         if isinstance(value, str) and value.strip().lower() == "auto":
-            usable = usable_cpus()
+            usable = process_cpus()
             return usable.count, f'server.workers "auto": {usable.why}'
         if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
             self.problems.append(f'server.workers: expected "auto" or a whole number of at '

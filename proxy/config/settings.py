@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.core.cpus import usable_cpus
+from proxy.core.cpus import available_cpus
 
 CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
 # TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
@@ -33,12 +33,6 @@ def default_cache_dir() -> Path:
     """A per-user cache directory (XDG_CACHE_HOME honored)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tf-registry-proxy"
-
-
-def available_cpus() -> int:
-    """How many CPUs this process can use: its affinity mask and its cgroup's CPU quota
-    (proxy.core.cpus)."""
-    return usable_cpus().count
 
 
 def default_state_dir() -> Path:

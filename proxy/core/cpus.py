@@ -5,6 +5,7 @@ limited to 500m on a 64-core node can use one, not 64."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -96,3 +97,15 @@ def _affinity() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+@functools.cache
+def process_cpus() -> UsableCpus:
+    """usable_cpus() of this process, read once (the worker count and the thread pools are
+    sized from it at start; workers forked later share the supervisor's answer)."""
+    return usable_cpus()
+
+
+def available_cpus() -> int:
+    """How many CPUs this process can use (process_cpus)."""
+    return process_cpus().count

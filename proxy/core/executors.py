@@ -25,20 +25,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, ParamSpec, Protocol, TypeVar
 
-from proxy.core.cpus import usable_cpus
+from proxy.core.cpus import available_cpus
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
-def _cpus() -> int:
-    return usable_cpus().count
-
-
 def default_quick_threads() -> int:
     """Threads for short calls: the standard library's own default for I/O-bound pools (the
     calls mostly wait on SQLite and the file system, not on the CPU)."""
-    return min(32, _cpus() + 4)
+    return min(32, available_cpus() + 4)
 
 
 def default_slow_threads() -> int:
@@ -46,7 +42,7 @@ def default_slow_threads() -> int:
     work (hashlib and zlib release the GIL, so threads do use the cores); at least two, so one
     long job (a big module) does not hold up every other; at most eight, to bound memory and
     disk contention."""
-    return max(2, min(8, _cpus()))
+    return max(2, min(8, available_cpus()))
 
 
 # Name lookups wait on the network, up to the resolver's own timeouts (many seconds each when

@@ -58,13 +58,18 @@ def service_pids(directory: Path | None) -> list[int]:
     supervisor (this worker's parent) and every live worker."""
     if directory is None:
         return [os.getpid()]
-    pids = [os.getppid()]
-    for marker in (directory / _WORKERS).glob("*"):
+    return [os.getppid(), *_worker_pids(directory / _WORKERS).values()]
+
+
+def _worker_pids(workers: Path) -> dict[str, int]:
+    """Each live worker's pid, by its index."""
+    found = {}
+    for marker in sorted(workers.glob("*")):
         try:
-            pids.append(int(marker.read_text()))
+            found[marker.name] = int(marker.read_text())
         except (OSError, ValueError):  # gone, or being written
             continue
-    return pids
+    return found
 
 
 def worker_exited(directory: Path, index: int, pid: int) -> None:
@@ -111,16 +116,13 @@ class WorkerProcesses(Collector):
     def collect(self) -> Iterable[Metric]:
         """One family per process metric, one sample per worker."""
         families: dict[str, Metric] = {}
-        for marker in sorted(self._workers.glob("*")):
-            try:
-                self._pid = int(marker.read_text())
-            except (OSError, ValueError):  # gone, or being written
-                continue
+        for index, pid in _worker_pids(self._workers).items():
+            self._pid = pid
             for family in self._process.collect():
                 merged = families.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type))
                 for found in family.samples:
-                    merged.add_sample(found.name, {**found.labels, "worker": marker.name},
+                    merged.add_sample(found.name, {**found.labels, "worker": index},
                                       found.value)
         return list(families.values())
 

@@ -66,14 +66,6 @@ class ReleaseTimes:
         bound = await self.not_before(kind, address, version)
         return signed_at if bound is None else max(signed_at, bound)
 
-    async def carried(self, kind: str, address: str, dates: dict[str, float]) -> None:
-        """First sightings a bundle carried (version -> time): the earlier of it and this
-        proxy's own."""
-        key = layout.sightings_record(kind, address)
-        updated = with_carried(await self._index.get(key), dates)
-        await self._index.set(key, updated)
-        self._hold(key, updated)
-
     async def sightings(self, kind: str, address: str) -> dict[str, float]:
         """Every version's first sighting (for export and `policy check`)."""
         return first_sightings({"versions": await self._versions(kind, address)})
