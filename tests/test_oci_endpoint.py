@@ -98,6 +98,10 @@ async def test_head_and_get_by_tag_name_one_index_of_every_platform(
         assert blob.headers["Docker-Content-Digest"] == layer["digest"]
     config = await client.get(f"{REPO}/blobs/{EMPTY}")
     assert await config.read() == b"{}"
+    # A blob names no version (its digest only): its pull names the provider alone.
+    status = await (await client.get("/status.json")).json()
+    assert all(not pull["artifact"].endswith(" ") for pull in status["recent_pulls"]), \
+        status["recent_pulls"]
 
 
 async def test_a_blob_supports_range_requests(client: TestClient,

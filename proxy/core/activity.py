@@ -119,7 +119,9 @@ class Activity:
         outcome = "miss" if cache == "miss" else "hit"
         self._pulled[outcome] += 1
         self._pulls.appendleft({
-            "time": time.time(), "kind": kind, "artifact": excerpt(f"{name} {version}", 200),
+            # An OCI blob is asked for by digest: its pull names no version.
+            "time": time.time(), "kind": kind,
+            "artifact": excerpt(f"{name} {version}" if version else name, 200),
             "cache": outcome, "client": None if client is None else excerpt(client, 120)})
 
     def policy_refusal(self, artifact: str, kind: str, reason: str, rule: str) -> None:

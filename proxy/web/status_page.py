@@ -56,7 +56,7 @@ def render_status_page(document: dict[str, Any]) -> str:
     mode = str(document["mode"])
     cache = document["cache"]
     lookups = document["lookups"]
-    pulls = document.get("pulls") or {"total": 0, "hits": 0, "hit_rate": None}
+    pulls = document["pulls"]
     clients = document.get("clients")
     return "".join((
         _head("tf-registry-proxy status", refresh=True),
@@ -82,7 +82,7 @@ def render_status_page(document: dict[str, Any]) -> str:
         _section("Most requested modules", "top-modules", ("Module", "Requests"),
                  ((m["name"], m["requests"]) for m in document["top_modules"]),
                  "No module served yet."),
-        _recent_pulls(document.get("recent_pulls", []), clients is not None),
+        _recent_pulls(document["recent_pulls"], clients is not None),
         "" if document.get("identities") is None else _section(
             "Pulls per identity", "identities", ("Identity (token or OIDC)", "Pulls"),
             ((i["name"], i["pulls"]) for i in document["identities"]),
