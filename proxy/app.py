@@ -47,10 +47,11 @@ from proxy.verification.release_times import ReleaseTimes
 from proxy.verification.releases import ReleaseKeyError, load_release_keys
 from proxy.verification.stored_packages import StoredPackages
 from proxy.web.auth import OIDC_KEY, SIGNER_KEY, load_signing_key
-from proxy.web.middleware import response_prepared, route_guard
+from proxy.web.middleware import SERVER_NAME, response_prepared, route_guard
 from proxy.web.oci_routes import OCI_KEY, OCI_MODULES_KEY, add_oci_routes, oci_error
 from proxy.web.oidc import MAX_JWKS_BYTES, OidcVerifier
 from proxy.web.pulls import PULLS_KEY, PullCounter
+from proxy.web.quick_answers import QUICK_SECONDS, QuickAnswers
 from proxy.web.release_routes import RELEASES_KEY, add_release_routes
 from proxy.web.routes import (
     ARCHIVES_KEY,
@@ -62,6 +63,7 @@ from proxy.web.routes import (
     MIRROR_KEY,
     MODULES_KEY,
     POLICY_KEY,
+    QUICK_KEY,
     REGISTRY_KEY,
     STATUS_KEY,
     add_routes,
@@ -112,6 +114,9 @@ def create_app(config: Config,
                more=[add_oci_routes, add_release_routes],
                unmatched_shapes={"/v2/": oci_error})
     app.on_response_prepare.append(response_prepared(metrics))
+    if not config.auth.enabled:  # kept answers carry no credentials, and ask for none
+        app[QUICK_KEY] = QuickAnswers(metrics.requests, SERVER_NAME,
+                                      min(QUICK_SECONDS, config.upstream.versions_ttl))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         # Each resource is closed by the stack as soon as it exists: a start that fails
@@ -148,6 +153,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     policy = VersionPolicy(config.policy, times, metrics, activity, audit)
     opened.push_async_callback(policy.close)
     app[POLICY_KEY] = policy
+    quick_answers = app.get(QUICK_KEY)
+    if quick_answers is not None:
+        policy.on_reload(quick_answers.clear)
     status = StatusReport(config, activity, metrics, archives,
                           SnapshotShare(snapshot_directory(config)), policy.rules_document)
     await opened.enter_async_context(status.sharing())
@@ -172,6 +180,9 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
                                 config.upstream, metrics, filters, activity, times)
     opened.push_async_callback(packages.close)
+    if quick_answers is not None:  # a VERSION.json kept may lack what was just verified
+        packages.on_save(lambda _provider, _version: quick_answers.clear())
+        packages.on_list_change(quick_answers.clear)
     policy.dated_by("provider", lambda address, version: packages.signed_at(
         ProviderAddress.parse(*address.split("/")), version))
     stored = StoredPackages(packages, archives, config.upstream)
@@ -190,6 +201,8 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     modules = ModuleRegistry(ModuleRegistryClient(http, discovery), sources, cache, archives,
                              config.upstream, metrics, filters, activity, policy, audit)
     opened.push_async_callback(modules.close)
+    if quick_answers is not None:
+        modules.on_list_change(quick_answers.clear)
     app[ARCHIVES_KEY] = archives
     app[MIRROR_KEY] = mirror
     app[MODULES_KEY] = modules

@@ -6,13 +6,17 @@ import io
 import tarfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
+from proxy.web.http_server import ProxyRunner
+from proxy.web.routes import METRICS_KEY
 from tests.support.fake_registry import FakeRegistry, build_zip
 from tests.support.git_repos import publish_repo
 from tests.support.gpg import GpgKey, generate_key, stop_agent
@@ -212,6 +216,28 @@ def proxy_config(write_config: Callable[..., Path]) -> Config:
 
 
 AppClient = Callable[..., Awaitable[TestClient]]  # type: ignore[type-arg]
+
+
+class _ServedAsServeServes(TestServer):  # type: ignore[misc]
+    """aiohttp's test server with the runner `serve` uses (ProxyRunner: kept answers before
+    routing, parser errors in JSON), so in-process tests meet what clients meet."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        return ProxyRunner(self.app, **kwargs)
+
+
+@pytest.fixture
+def aiohttp_client(aiohttp_client):  # type: ignore[no-untyped-def]
+    """pytest-aiohttp's client factory; the proxy's own app served as `serve` serves it."""
+
+    def make(app: object, *, server_kwargs: dict[str, Any] | None = None,
+             **kwargs: Any) -> Awaitable[TestClient]:  # type: ignore[type-arg]
+        if isinstance(app, web.Application) and METRICS_KEY in app:
+            return aiohttp_client(_ServedAsServeServes(app, **(server_kwargs or {})),  # type: ignore[no-any-return]
+                                  **kwargs)
+        return aiohttp_client(app, server_kwargs=server_kwargs, **kwargs)  # type: ignore[no-any-return]
+
+    return make
 
 
 @pytest.fixture

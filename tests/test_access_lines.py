@@ -15,12 +15,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
+from aiohttp import hdrs, web
+from aiohttp.test_utils import make_mocked_request
 
 from proxy.cli.logs import JsonLineFormatter
-from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter
-from proxy.web.access_log import ACCESS_FIELDS, ACCESS_LOGGER, AccessLines, plain_text
+from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter, line_chunks
+from proxy.core.redaction import mask_secrets
+from proxy.web import access_log
+from proxy.web.access_log import (
+    ACCESS_FIELDS,
+    ACCESS_LOGGER,
+    AccessLines,
+    PlainAccessLogger,
+    plain_text,
+)
+from proxy.web.quick_answers import QuickAnswer
 from tests.support.proxy_process import ProxyProcess, free_port
 
 FIELDS = {"remote": "10.0.0.7", "method": "GET", "path": "/mirror/a.zip?sig=***",
@@ -75,6 +88,53 @@ def test_each_line_is_what_the_formatters_wrote(access_format: str, log_format: 
     finally:
         writer.close()
     assert built == expected + "\n"
+
+
+@pytest.mark.parametrize("worker", [None, 1])
+@pytest.mark.parametrize(("method", "status"), [("GET", 200), ("HEAD", 200), ("GET", 304)])
+def test_a_kept_answers_line_is_the_line_of_any_answer(
+        method: str, status: int, worker: int | None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QuickAnswer's line (its fixed part made once: GET 200 in text lines) has the same
+    characters as the line of a handler's answer with the same fields."""
+    monkeypatch.setattr("proxy.web.access_log.time.time", lambda: 1_795_000_000.0437)
+    transport = mock.Mock()
+    transport.get_extra_info.return_value = ("10.0.0.7", 50123)
+    request = make_mocked_request(method, "/mirror/h/n/t/index.json?token=s3cr3t",
+                                  transport=transport)
+    body = b'{"versions":{"1.0.0":{}}}'
+    headers = {hdrs.ETAG: '"x"', hdrs.CONTENT_TYPE: "application/json"}
+    kept = QuickAnswer(mask_secrets(request.path_qs), status=status,
+                       body=body if status == 200 else None, headers=headers)
+    handled = web.Response(status=status, body=body if status == 200 else None,
+                           headers=headers)
+    built_from_fields: list[int] = []
+    from_fields = access_log.request_line_fields
+
+    def counted(*args: Any) -> dict[str, Any]:
+        built_from_fields.append(1)
+        return from_fields(*args)
+
+    monkeypatch.setattr(access_log, "request_line_fields", counted)
+    out = tmp_path / "out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+    logger = logging.Logger(ACCESS_LOGGER)  # its own, outside logging's tree
+    lines = AccessLines("plain", "text", worker, BatchedLineWriter(fd))
+    logger.addHandler(lines)
+    logger.propagate = False
+    try:
+        access = PlainAccessLogger(logger, "")
+        for response in (kept, handled):
+            access.log(request, response, 0.01234)
+    finally:
+        lines.close()
+        os.close(fd)
+    written = out.read_text().splitlines()
+    assert len(written) == 2
+    assert written[0] == written[1]
+    assert "token=***" in written[0] and "s3cr3t" not in written[0]
+    # A 200 to a GET, in text lines: the kept answer's line was not built from fields.
+    assert len(built_from_fields) == (1 if (method, status) == ("GET", 200) else 2)
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
@@ -151,9 +211,8 @@ def test_the_drop_report_does_not_wait_on_the_stuck_output() -> None:
         os.close(read_end)
 
 
-def test_chunks_are_counted_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lines with multi-byte characters (a path's) still go in writes of at most PIPE_BUF
-    bytes, so that no write of whole lines is split on a pipe."""
+def _write_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the writes the line writer makes from now on."""
     sizes: list[int] = []
     real_write = os.write
 
@@ -162,20 +221,53 @@ def test_chunks_are_counted_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_write(fd, data)
 
     monkeypatch.setattr("proxy.core.line_writer.os.write", recorded)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    writer = BatchedLineWriter(devnull)
-    lines = [f"GET /mirror/{number}/" + "é" * 500 + "\n" for number in range(200)]
+    return sizes
 
-    async def serving() -> None:  # lines added on a loop are handed over in batches
-        for line in lines:  # each 1,000+ bytes in 500+ characters
+
+def _write_served(fd: int, lines: list[str]) -> None:
+    """lines added on a loop, as a server adds them (handed over in batches), then written
+    out by a clean stop."""
+    writer = BatchedLineWriter(fd)
+
+    async def serving() -> None:
+        for line in lines:
             writer.add(line)
         await asyncio.sleep(0.1)
 
     asyncio.run(serving())
     writer.close()
-    os.close(devnull)
+    os.close(fd)
+
+
+def test_chunks_are_counted_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines with multi-byte characters (a path's) still go in writes of at most PIPE_BUF
+    bytes, so that no write of whole lines is split on a pipe."""
+    sizes = _write_sizes(monkeypatch)
+    # Each 1,000+ bytes in 500+ characters.
+    lines = [f"GET /mirror/{number}/" + "é" * 500 + "\n" for number in range(200)]
+    _write_served(os.open(os.devnull, os.O_WRONLY), lines)
     assert sum(sizes) == sum(len(line.encode()) for line in lines)
     assert max(sizes) <= CHUNK_BYTES
+
+
+def test_a_regular_file_takes_each_batch_in_one_write(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log file (not a pipe) gets a batch in one write: every write the thread makes
+    wants the GIL back from the serving loop."""
+    sizes = _write_sizes(monkeypatch)
+    out = tmp_path / "access.log"
+    lines = [f"GET /mirror/{number}/index.json 200\n" for number in range(1000)]
+    _write_served(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND), lines)
+    assert out.read_text() == "".join(lines)
+    assert sizes == [len("".join(lines))]
+
+
+def test_line_chunks_hold_whole_lines_and_a_long_line_goes_alone() -> None:
+    data = b"".join([b"a" * 10 + b"\n", b"b" * 30 + b"\n", b"c" * 5 + b"\n", b"d\n"])
+    chunks = [bytes(chunk) for chunk in line_chunks(data, 16)]
+    assert chunks == [b"a" * 10 + b"\n", b"b" * 30 + b"\n", b"c" * 5 + b"\nd\n"]
+    assert [bytes(c) for c in line_chunks(b"x\ny\n", 4096)] == [b"x\ny\n"]
+    assert list(line_chunks(b"", 16)) == []
 
 
 def test_undecodable_bytes_come_out_as_escapes_as_before(tmp_path: Path) -> None:

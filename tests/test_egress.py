@@ -154,6 +154,9 @@ async def test_targets_named_through_https_proxy_are_checked_before_the_tunnel(
         monkeypatch: pytest.MonkeyPatch, host: str, dns: dict[str, list[str]],
         extra: str) -> None:
     fake_dns(monkeypatch, dns)
+    # The fill asks for a fresh download document (not the one VERSION.json just fetched,
+    # which names the allowed host): the one that now names the refused host.
+    monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
     client = await make(upstream_extra=extra)
     assert (await client.get(f"{PROVIDER}/3.2.1.json")).status == 200
     registry.download_host = host

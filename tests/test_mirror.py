@@ -12,6 +12,9 @@ from aiohttp.test_utils import TestClient
 
 from proxy.app import create_app
 from proxy.config import Config, load_config
+from proxy.core.models import Platform, ProviderAddress
+from proxy.verification.stored_packages import fill_key
+from proxy.web.routes import ARCHIVES_KEY
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
 from tests.support.mirror_paths import BASE, ZIP, zip_h1
@@ -306,3 +309,43 @@ async def test_ranges_and_preconditions_on_cached_files(client: TestClient, path
     head = await client.head(path, headers={"Range": f"bytes={size}-"})
     assert head.status == 416 and head.content_type == "application/json"
     assert await head.read() == b""
+
+
+async def test_a_cold_packages_download_document_is_asked_for_while_its_fill_waits(
+        client: TestClient, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill asks upstream for the download document at once, while it waits for the
+    fill lock (here held by another process's fill) and looks at the store again: a cold
+    package's first byte waits for less. The fill then uses that answer."""
+    # Not the document VERSION.json just fetched (see the next test): a fresh one.
+    monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # as Terraform does
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    asked_before = registry.paths().count(document)
+    archives = client.server.app[ARCHIVES_KEY]
+    key = fill_key(ProviderAddress.parse("registry.terraform.io", "hashicorp", "null"),
+                   "3.2.1", Platform.parse("linux", "amd64"))
+    async with archives.fill_lock(key, "package") as held:
+        assert held
+        download = asyncio.ensure_future(client.get(f"{BASE}/{ZIP}"))
+        for _ in range(200):
+            if registry.paths().count(document) > asked_before:
+                break
+            await asyncio.sleep(0.025)
+        asked_while_locked = registry.paths().count(document) - asked_before
+    response = await download
+    assert response.status == 200
+    assert await response.read() == registry.releases[("hashicorp", "null", "3.2.1")].zips[
+        "linux_amd64"]
+    assert asked_while_locked == 1
+    assert registry.paths().count(document) - asked_before == 1
+
+
+async def test_the_zip_of_a_version_document_just_answered_costs_no_second_document(
+        client: TestClient, registry: FakeRegistry) -> None:
+    """Terraform asks for the zip right after VERSION.json: the download document fetched
+    for it moments before is taken."""
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
+    asked = registry.paths().count(document)
+    assert (await client.get(f"{BASE}/{ZIP}")).status == 200
+    assert registry.paths().count(document) == asked

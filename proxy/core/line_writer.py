@@ -14,8 +14,10 @@ import logging
 import os
 import queue
 import select
+import stat
 import threading
 import time
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -126,29 +128,27 @@ class BatchedLineWriter:
             self._thread.join(timeout)
 
     def _write_forever(self) -> None:
+        # A regular file takes a batch in one write (each write of a process appends whole,
+        # and every write wants the GIL back); anything else (a pipe, a socket, a terminal)
+        # gets chunks of whole lines of at most CHUNK_BYTES.
+        whole = _regular_file(self._fd)
         while True:
             batch = self._handed.get()
             if batch is _STOP:
                 self._report_drops(final=True)
                 return
-            # Chunks counted in bytes (a path may hold multi-byte characters), each of whole
-            # lines; a line longer than a chunk goes alone.
-            chunk: list[bytes] = []
-            size = 0
-            for line in batch:
-                data = line.encode(self._encoding, self._errors)
-                if size and size + len(data) > CHUNK_BYTES:
+            # Encoded at once: the same bytes as line by line.
+            data = "".join(batch).encode(self._encoding, self._errors)
+            if whole:
+                self._write(data)
+            else:
+                for chunk in line_chunks(data, CHUNK_BYTES):
                     self._write(chunk)
-                    chunk, size = [], 0
-                chunk.append(data)
-                size += len(data)
-            if chunk:
-                self._write(chunk)
             self._written_size += sum(len(line) for line in batch)
             self._report_drops()
 
-    def _write(self, lines: list[bytes]) -> None:
-        view = memoryview(b"".join(lines))
+    def _write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
         while view:
             try:
                 view = view[os.write(self._fd, view):]
@@ -158,5 +158,30 @@ class BatchedLineWriter:
                 if exc.errno == errno.EAGAIN:
                     time.sleep(0.01)
                     continue
-                self._lost += len(lines)
+                self._lost += bytes(view).count(b"\n")  # the lines not (wholly) written
                 return
+
+
+def line_chunks(data: bytes, size: int) -> Iterator[memoryview]:
+    """data (lines, each ending in a newline) in chunks of whole lines of at most size bytes;
+    a line longer than size goes alone."""
+    view = memoryview(data)
+    start, end = 0, len(data)
+    while start < end:
+        if end - start <= size:
+            yield view[start:]
+            return
+        cut = data.rfind(b"\n", start, start + size)
+        if cut < 0:  # one line longer than a chunk
+            cut = data.find(b"\n", start + size)
+            if cut < 0:
+                cut = end - 1
+        yield view[start:cut + 1]
+        start = cut + 1
+
+
+def _regular_file(fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False

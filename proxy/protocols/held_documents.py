@@ -65,6 +65,11 @@ class HeldAnswers(Generic[T]):
             self._rebuilds.start(key, lambda: self._rebuild(key, held, build))
         return held.value
 
+    def held(self, key: Hashable) -> T | None:
+        """key's held answer, if there is one (without counting it as used)."""
+        held = self._held.get(key)
+        return None if held is None else held.value
+
     def forget(self, key: Hashable) -> None:
         """What key's answer shows changed here: the next request builds it anew."""
         self._held.pop(key, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -91,6 +91,10 @@ class ModuleRegistry:
         await self._checked.close()
         await self._version_lists.close()
         await self._version_bodies.close()
+
+    def on_list_change(self, listener: Callable[[], None]) -> None:
+        """Call listener() whenever a version list this process holds changes."""
+        self._version_lists.on_change(listener)
 
     # --- protocol operations -------------------------------------------------------------
 

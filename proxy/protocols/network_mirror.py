@@ -110,6 +110,12 @@ class ProviderMirror:
         """`VERSION.json` as sent (see version_document)."""
         return (await self._held_document(provider, version)).body
 
+    def holds_document(self, provider: ProviderAddress, version: str, body: JsonBody) -> bool:
+        """Whether body is the VERSION.json held for the next requests (one lacking a
+        platform that upstream failed to deliver is built again on the next request)."""
+        held = self._documents.held((str(provider), version))
+        return held is not None and held.body is body
+
     def _forget_document(self, provider: ProviderAddress, version: str) -> None:
         self._documents.forget((str(provider), version))
 

@@ -376,8 +376,6 @@ class CliReleases:
                 url = self._client.file_url(product, version, filename)
                 log.info("fetching %s from %s", filename, mask_secrets(url))
                 async with self._client.open(product, version, filename) as download:
-                    if download.size is not None:
-                        await quick(self._archives.disk.require_room, "package", download.size)
                     spool = await new_spool(self._archives, download.size)
                     offer(spool)
                     try:

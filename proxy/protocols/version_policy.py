@@ -97,14 +97,22 @@ class VersionPolicy:
         self._hidden: OrderedDict[tuple[str, str], tuple[Hidden, ...]] = OrderedDict()
         # When a client was last told (logged, audited) what a list of an address hid.
         self._told: OrderedDict[tuple[str | None, str, str], float] = OrderedDict()
+        self._on_reload: list[Callable[[], None]] = []
 
     def dated_by(self, kind: str, signed_at: SignedAt) -> None:
         """How the signature time of a version of kind (provider, cli) is found."""
         self._signed[kind] = signed_at
 
+    def on_reload(self, listener: Callable[[], None]) -> None:
+        """Call listener() whenever another policy is put in force (answers kept because no
+        policy was in force are dropped)."""
+        self._on_reload.append(listener)
+
     def reload(self, config: PolicyConfig) -> None:
         """Put a new policy in force (SIGHUP)."""
         self.config = config
+        for listener in self._on_reload:
+            listener()
         log.info("version policy: %s", describe(config))
 
     async def close(self) -> None:

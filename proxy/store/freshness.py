@@ -61,6 +61,12 @@ class RefreshingDocuments(Generic[T]):
         self._background: set[asyncio.Task[None]] = set()
         self._held: OrderedDict[str, _Held[T]] = OrderedDict()
         self._rechecks: SingleFlight[None] = SingleFlight()
+        self._on_change: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call listener() whenever a copy held here is replaced or dropped (answers derived
+        from the old one, and kept elsewhere, must go)."""
+        self._on_change.append(listener)
 
     async def close(self) -> None:
         """Stop refreshes under way."""
@@ -127,7 +133,8 @@ class RefreshingDocuments(Generic[T]):
             record = await self._cache.get(key)
             held = self._held.get(key)
             if record is None:
-                self._held.pop(key, None)
+                if self._held.pop(key, None) is not None:
+                    self._changed()
             else:
                 self._hold_record(key, held, record)
         except Exception as exc:  # the held copy is answered meanwhile; tried again later
@@ -143,8 +150,15 @@ class RefreshingDocuments(Generic[T]):
 
     def _hold(self, key: str, fetched_at: float, copy: T) -> T:
         """Keep a copy just read from (or written to) the store in memory."""
+        before = self._held.get(key)
         keep_recent(self._held, key, _Held(fetched_at, copy, time.monotonic()), HELD_COPIES)
+        if before is None or before.copy is not copy:
+            self._changed()
         return copy
+
+    def _changed(self) -> None:
+        for listener in self._on_change:
+            listener()
 
     def _failing(self, key: str) -> bool:
         return self._failed_until.get(key, 0.0) > time.monotonic()

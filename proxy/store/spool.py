@@ -33,10 +33,18 @@ class StoredArchive:
 async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]:
     """A fresh, empty spool that readers may follow while a fill writes it (their handles
     are marked in use, as a stored file's are); a reader that comes after it was published
-    reads the published blob."""
+    reads the published blob. A download of announced size that cannot fit is refused
+    first (InsufficientStorage: a 507 before any headers), in the same thread hop (a cold
+    package's first byte waits for each)."""
     spool: GrowingFile[BlobInfo] = GrowingFile(
         store.spool_path(), size, mark_in_use, lambda final: _published(store, final))
-    await quick(spool.temp.touch)
+
+    def make() -> None:
+        if size is not None:
+            store.disk.require_room("package", size)
+        spool.temp.touch()
+
+    await quick(make)
     return spool
 
 

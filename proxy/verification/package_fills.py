@@ -11,8 +11,7 @@ from dataclasses import replace
 
 from proxy.config import UpstreamConfig
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, key_id
-from proxy.core.errors import IntegrityError, NotFound
-from proxy.core.executors import quick
+from proxy.core.errors import IntegrityError, NotFound, ProxyError
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
@@ -22,7 +21,7 @@ from proxy.store import layout
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import new_spool, store_package
-from proxy.verification.packages import VerifiedPackages
+from proxy.verification.packages import EarlyDownload, VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 
 log = logging.getLogger(__name__)
@@ -39,6 +38,7 @@ class PackageFills:
         self._stored = stored
         self._archives = archives
         self._max_size = config.max_archive_size
+        self._offline = config.offline
         self._metrics = metrics
         self._flights: SingleFlight[BlobInfo | GrowingFile[BlobInfo]] = SingleFlight()
         self._fill_slots = asyncio.Semaphore(config.max_concurrent_fills)
@@ -62,20 +62,42 @@ class PackageFills:
     async def _fill(self, provider: ProviderAddress, version: str, platform: Platform,
                     offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
                     ) -> BlobInfo | GrowingFile[BlobInfo]:
-        # Under the package's fill lock, across processes and replicas. Published by another
-        # fill meanwhile? (Not a file to check: it is replaced.)
-        return await fill_unless_published(
-            self._archives, fill_key(provider, version, platform), "package",
-            lambda: self._stored.stored(provider, version, platform, check=False),
-            lambda: self._download(provider, version, platform, offer))
+        early = await self._ask_early(provider, version, platform)
+        try:
+            # Under the package's fill lock, across processes and replicas. Published by
+            # another fill meanwhile? (Not a file to check: it is replaced.)
+            return await fill_unless_published(
+                self._archives, fill_key(provider, version, platform), "package",
+                lambda: self._stored.stored(provider, version, platform, check=False),
+                lambda: self._download(provider, version, platform, offer, early))
+        finally:
+            if early is not None:
+                early.fetching.cancel()  # a no-op once it was answered
+
+    async def _ask_early(self, provider: ProviderAddress, version: str,
+                         platform: Platform) -> EarlyDownload | None:
+        """The download document asked for now, while the fill lock is taken and the store
+        looked at again (a cold package's first byte waits for less): online, for a platform
+        the version list names. A list that cannot be read is met again by the fill."""
+        if self._offline:
+            return None
+        try:
+            entry = await self._packages.version_entry(provider, version)
+        except ProxyError:
+            return None
+        if platform not in entry.platforms:
+            return None
+        return self._packages.ask_download(provider, version, platform)
 
     async def _download(self, provider: ProviderAddress, version: str, platform: Platform,
-                        offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
+                        offer: Offer[BlobInfo | GrowingFile[BlobInfo]],
+                        early: EarlyDownload | None
                         ) -> BlobInfo | GrowingFile[BlobInfo]:
         entry = await self._packages.version_entry(provider, version)
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
-        info, package = await self._packages.current_download(provider, version, platform)
+        info, package = await self._packages.current_download(provider, version, platform,
+                                                              early)
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
             try:
@@ -83,8 +105,6 @@ class PackageFills:
                          mask_secrets(info.download_url))  # may be a presigned URL
                 async with self._packages.open_package(provider, info,
                                                        self._max_size) as download:
-                    if download.size is not None:  # cannot fit: a 507 before any headers
-                        await quick(self._archives.disk.require_room, "package", download.size)
                     spool = await new_spool(self._archives, download.size)
                     offer(spool)
                     try:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
@@ -21,6 +22,7 @@ from proxy.core.activity import Activity
 from proxy.core.audit import SERVED_FACTS, Artifact, key_id
 from proxy.core.errors import IntegrityError, IntegrityKind, UnknownVersion
 from proxy.core.executors import quick
+from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
@@ -51,6 +53,15 @@ UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
 HELD_FACTS = 16384
 # How long a failed SHA256SUMS check counts as the same failure when met again.
 SUMS_FAILURE_SECONDS = 10.0
+# A download document asked for early is used if it was asked for this recently (its URL may
+# be short-lived, and a fill may wait long for another process's lease); else asked again.
+EARLY_DOWNLOAD_SECONDS = 10.0
+# A download document fetched for a package's facts (VERSION.json) whose URL has no query (no
+# signature that may be short-lived or single-use) is taken by the package's fill this long
+# after (once): the zip of a VERSION.json just answered costs no second request for it.
+# Later fills, and URLs with a query, ask upstream again.
+RECENT_DOWNLOAD_SECONDS = 10.0
+HELD_RECENT = 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,14 @@ class VerifiedPackage:
     # The stored zip as it was when its bytes last matched shasum: a hit on a file that no
     # longer looks like this reads it again before serving it.
     stored_as: FileIdentity | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyDownload:
+    """A download document asked for before it was needed (ask_download)."""
+
+    asked_at: float  # time.monotonic()
+    fetching: asyncio.Future[DownloadInfo]
 
 
 class VerifiedPackages:
@@ -95,11 +114,17 @@ class VerifiedPackages:
         self._failed_sums: OrderedDict[str, float] = OrderedDict()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
+        # Download documents just fetched for facts, by package key: (when, the document).
+        self._recent_downloads: OrderedDict[str, tuple[float, DownloadInfo]] = OrderedDict()
 
     def on_save(self, listener: Callable[[ProviderAddress, str], None]) -> None:
         """Call listener(provider, version) whenever this process records facts that may
         change what a document of that version shows (an h1, a stored zip), so it is rebuilt."""
         self._on_save.append(listener)
+
+    def on_list_change(self, listener: Callable[[], None]) -> None:
+        """Call listener() whenever a version list this process holds changes."""
+        self._versions.on_change(listener)
 
     def require_served(self, provider: ProviderAddress) -> None:
         """NotFound unless the proxy serves this provider (see Filters.require_provider)."""
@@ -145,15 +170,33 @@ class VerifiedPackages:
                 return entry
         raise UnknownVersion(f"{provider} has no version {version}")
 
-    async def current_download(self, provider: ProviderAddress, version: str,
-                               platform: Platform) -> tuple[DownloadInfo, VerifiedPackage]:
-        """A fresh download document (its URL may be short-lived) and the verified facts,
-        which it must still agree with. The document is asked for while the facts are read
-        (a cold package's first byte waits for both); facts not recorded yet are fetched
-        with it."""
+    def ask_download(self, provider: ProviderAddress, version: str,
+                     platform: Platform) -> EarlyDownload:
+        """Start asking upstream for a download document now (see current_download); one
+        this process was sent at most RECENT_DOWNLOAD_SECONDS ago is taken instead (once)."""
+        key = self.package_key(provider, version, platform)
+        recent = self._recent_downloads.pop(key, None)
+        if recent is not None and time.monotonic() - recent[0] <= RECENT_DOWNLOAD_SECONDS:
+            taken: asyncio.Future[DownloadInfo] = asyncio.get_running_loop().create_future()
+            taken.set_result(recent[1])
+            return EarlyDownload(recent[0], taken)
         fetching = asyncio.ensure_future(
             self._registry.download_info(provider, version, platform))
         fetching.add_done_callback(_retrieve)  # a caller that failed first leaves no warning
+        return EarlyDownload(time.monotonic(), fetching)
+
+    async def current_download(self, provider: ProviderAddress, version: str,
+                               platform: Platform, early: EarlyDownload | None = None
+                               ) -> tuple[DownloadInfo, VerifiedPackage]:
+        """A fresh download document (its URL may be short-lived) and the verified facts,
+        which it must still agree with. The document is asked for while the facts are read
+        (a cold package's first byte waits for both), or was asked for early (ask_download:
+        taken if asked for at most EARLY_DOWNLOAD_SECONDS ago); facts not recorded yet are
+        fetched with it."""
+        if early is not None and time.monotonic() - early.asked_at <= EARLY_DOWNLOAD_SECONDS:
+            fetching = early.fetching
+        else:
+            fetching = self.ask_download(provider, version, platform).fetching
         try:
             known = await self._recorded(provider, version, platform)
             info = await fetching
@@ -244,6 +287,10 @@ class VerifiedPackages:
             return _package_from_record(record)
         if info is None:
             info = await self._registry.download_info(provider, version, platform)
+            # The zip is usually asked for next (Terraform: right after VERSION.json). A URL
+            # with a query may carry a signature (S3, GCS, Azure, a token): asked for anew.
+            if not urlsplit(info.download_url).query:
+                keep_recent(self._recent_downloads, key, (time.monotonic(), info), HELD_RECENT)
         sums = parse_sha256sums(await self.signed_sums(provider, version, info))
         listed = sums.get(info.filename)
         if listed is None:

@@ -20,6 +20,7 @@ from aiohttp.web import BaseRequest, StreamResponse
 
 from proxy.core.line_writer import BatchedLineWriter
 from proxy.core.redaction import mask_secrets
+from proxy.web.quick_answers import QuickAnswer
 
 __all__ = ["ABORTED_KEY", "ACCESS_FIELDS", "ACCESS_LOGGER", "CACHE_RESULT_KEY",
            "AccessLines", "JsonAccessLogger", "PlainAccessLogger", "mask_secrets",
@@ -35,24 +36,30 @@ CACHE_RESULT_KEY = web.RequestKey("cache_result", str)
 # Set when the body was cut off after the headers (why: integrity, upstream, io, internal):
 # the status line already said 200, so the access line must say the download failed.
 ABORTED_KEY = web.RequestKey("aborted", str)
+# Fixed parts of kept answers' lines held at once (then made again).
+_QUICK_PARTS = 4096
 
 
 def request_line_fields(request: BaseRequest, response: StreamResponse,
                         seconds: float) -> dict[str, Any]:
     """What the access log says about one request."""
+    if type(response) is QuickAnswer:  # its path masked once; from memory, never cut off
+        path, cache, aborted = response.logged_path, "-", "-"
+    else:
+        path = mask_secrets(request.path_qs)
+        cache, aborted = request.get(CACHE_RESULT_KEY, "-"), request.get(ABORTED_KEY, "-")
     size = response.body_length
-    aborted = request.get(ABORTED_KEY, "-")
     if (response.status == 200 and request.method != "HEAD" and response.content_length
             and aborted == "-"):
         size = response.content_length  # sendfile bodies are not counted by body_length
     return {
         "remote": request.remote,
         "method": request.method,
-        "path": mask_secrets(request.path_qs),
+        "path": path,
         "status": response.status,
         "bytes": size,
         "duration_ms": round(seconds * 1000, 1),
-        "cache": request.get(CACHE_RESULT_KEY, "-"),
+        "cache": cache,
         "aborted": aborted,
     }
 
@@ -85,10 +92,29 @@ class AccessLines(logging.Handler):
         self._writer = writer
         self._second = -1
         self._second_text = ""
+        # Whether lines are plain text (not JSON, not inside JSON log lines).
+        self.text = not self._json and not self._json_text
+        # Of a 200 to a GET from QuickAnswers: the line's part from the request line to the
+        # size, by (path, size).
+        self._quick_parts: dict[tuple[str, int], str] = {}
 
     def write(self, fields: dict[str, Any]) -> None:
         """One request's line."""
         self._writer.add(self.line(fields, time.time()))
+
+    def write_quick(self, remote: str | None, answer: QuickAnswer, seconds: float) -> None:
+        """The line of a 200 to a GET from QuickAnswers, in plain text lines (what
+        plain_text and _text_line make of its fields, the same characters), its fixed part
+        made once per path and size: the line costs a kept answer's path little."""
+        key = (answer.logged_path, answer.body_size)
+        part = self._quick_parts.get(key)
+        if part is None:
+            if len(self._quick_parts) >= _QUICK_PARTS:
+                self._quick_parts.clear()
+            part = self._quick_parts[key] = f'"GET {key[0]}" 200 {key[1]} '
+        created = time.time()
+        self._writer.add(f"{self._asctime(created)} INFO {self._who}{ACCESS_LOGGER}: {remote} "
+                         f"{part}{round(seconds * 1000, 1)}ms cache=- aborted=-\n")
 
     def line(self, fields: dict[str, Any], created: float) -> str:
         """The line, newline included, exactly as the formatters would write it."""
@@ -152,8 +178,15 @@ class PlainAccessLogger(AbstractAccessLogger):
     def __init__(self, logger: logging.Logger, log_format: str) -> None:
         super().__init__(logger, log_format)
         self._lines = _lines_of(logger)
+        # Lines of text to a text log: a kept answer's line is mostly made once (the default).
+        self._quick = self._lines if self._lines is not None and self._lines.text else None
 
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        quick = self._quick
+        if (quick is not None and type(response) is QuickAnswer and response.status == 200
+                and request.method == "GET"):
+            quick.write_quick(request.remote, response, time)
+            return
         fields = request_line_fields(request, response, time)
         if self._lines is not None:
             self._lines.write(fields)

@@ -18,7 +18,7 @@ from proxy.core.log_limits import RateLimitedLog
 from proxy.core.metrics import Metrics
 from proxy.web.middleware import SERVER_NAME, json_error
 from proxy.web.parser_errors import ParserError, describe
-from proxy.web.routes import METRICS_KEY
+from proxy.web.routes import METRICS_KEY, QUICK_KEY
 
 log = logging.getLogger(__name__)
 WARNING_INTERVAL = 60.0  # seconds between two warnings about malformed requests
@@ -52,8 +52,12 @@ class ProxyRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()  # starts the app, freezes it
+        handler = server.request_handler
+        quick_answers = self.app.get(QUICK_KEY)
+        if quick_answers is not None:  # held documents go out before routing
+            handler = quick_answers.before(handler)
         # Server keeps the RequestHandler arguments (access log, limits) in _kwargs.
-        return _Server(server.request_handler, request_factory=server.request_factory,
+        return _Server(handler, request_factory=server.request_factory,
                        handler_cancellation=server.handler_cancellation,
                        report=self._report, **server._kwargs)
 

@@ -28,6 +28,7 @@ from proxy.core.waits import watching_waits
 from proxy.store.damage import DamagedFile
 from proxy.store.protocol import BlobInfo, BlobStore, OpenBlob
 from proxy.web.access_log import ABORTED_KEY, CACHE_RESULT_KEY
+from proxy.web.quick_answers import holds
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,11 @@ def json_response(document: dict[str, Any], status: int = 200) -> web.Response:
 def json_body_response(request: web.Request, document: JsonBody) -> web.Response:
     """Send a serialized document as is, with its strong ETag; 304 when the client holds it."""
     if_none_match = request.headers.get(hdrs.IF_NONE_MATCH)
-    if if_none_match and _holds(if_none_match, document.etag):
+    if if_none_match and holds(if_none_match, document.etag):
         return web.Response(status=304, headers={hdrs.ETAG: document.etag})
     # Every header in one dict with aiohttp's own names: its cheapest way in (a hot path).
     return web.Response(body=document.body, headers={hdrs.ETAG: document.etag,
                                                      hdrs.CONTENT_TYPE: "application/json"})
-
-
-def _holds(if_none_match: str, etag: str) -> bool:
-    """Whether If-None-Match names etag (weak comparison, as RFC 9110 13.1.2 asks)."""
-    tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
-    return "*" in tags or etag in tags
 
 
 def error_body(message: str) -> bytes:

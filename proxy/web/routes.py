@@ -38,6 +38,7 @@ from proxy.web.audit_requests import audited, requester_of
 from proxy.web.auth import IDENTITY_KEY, SIGNER_KEY, TOKEN_NAME_KEY, check_allowed
 from proxy.web.middleware import UNMATCHED, ErrorShape, Guard, json_error
 from proxy.web.pulls import counted
+from proxy.web.quick_answers import QuickAnswers
 from proxy.web.responses import json_body_response, json_response, send_file
 from proxy.web.status_page import (
     CONTENT_SECURITY_POLICY,
@@ -62,6 +63,8 @@ INVENTORY_KEY = web.AppKey("inventory", Inventory)
 POLICY_KEY = web.AppKey("version_policy", VersionPolicy)
 # Answers that are a held document plus the request's own signed URLs or base URL.
 BODIES_KEY = web.AppKey("request_bodies", Derived[JsonBody])
+# Answers kept by path, served before routing (absent where clients authenticate).
+QUICK_KEY = web.AppKey("quick_answers", QuickAnswers)
 _HELD_BODIES = 4096
 _PAGE_NUMBER = re.compile(r"[0-9]{1,6}")  # ASCII digits only
 # What adds one GET (and HEAD) route: path, handler, name, and how its errors are answered.
@@ -171,13 +174,14 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
     if name == "index.json":
         body = await mirror.list_versions_body(provider)
         _tell_hidden(request, "provider", str(provider), provider_target(provider))
-        return json_body_response(request, body)
+        return _held_answer(request, "mirror", body)
     if name.endswith(".json"):
         version = parse_version(name.removesuffix(".json"))
         signer = app.get(SIGNER_KEY)
         if signer is None:
-            return json_body_response(request,
-                                      await mirror.version_document_body(provider, version))
+            body = await mirror.version_document_body(provider, version)
+            return _held_answer(request, "mirror", body,
+                                held=mirror.holds_document(provider, version, body))
         # Archives are fetched without credentials: each answer carries its own signed URLs,
         # for the path as this client spelled it (what its archive requests will be).
         document = await mirror.version_document(provider, version)
@@ -191,6 +195,20 @@ async def mirror_file(request: web.Request) -> web.StreamResponse:
                                "application/zip", app[ARCHIVES_KEY],
                                app[METRICS_KEY].served_bytes.labels("package"))
     raise NotFound(f"no such mirror document {name[:120]!r}")
+
+
+def _held_answer(request: web.Request, route: str, document: JsonBody,
+                 held: bool = True) -> web.Response:
+    """The answer of a document that depends on nothing but the request's path (no
+    credentials, no signed URLs), kept to answer that path again before routing while it is
+    held (one that is not is built again for the next request) and no version policy is in
+    force (a policy's answers change with time)."""
+    quick = request.app.get(QUICK_KEY)
+    if quick is not None and held:
+        policy = request.app.get(POLICY_KEY)
+        if policy is None or not policy.config.active:
+            quick.keep(request, route, document)
+    return json_body_response(request, document)
 
 
 def _expiry(request: web.Request, signer: UrlSigner) -> int:
@@ -264,7 +282,7 @@ async def provider_versions(request: web.Request) -> web.Response:
     registry, provider = request.app[REGISTRY_KEY], _provider(request)
     body = await registry.list_versions_body(provider)
     _tell_hidden(request, "provider", str(provider), provider_target(provider))
-    return json_body_response(request, body)
+    return _held_answer(request, "provider_versions", body)
 
 
 async def provider_download(request: web.Request) -> web.Response:
@@ -317,7 +335,7 @@ async def module_versions(request: web.Request) -> web.Response:
     registry, module = request.app[MODULES_KEY], _module(request)
     body = await registry.list_versions_body(module)
     _tell_hidden(request, "module", str(module), module_target(module))
-    return json_body_response(request, body)
+    return _held_answer(request, "module_versions", body)
 
 
 async def module_version_file(request: web.Request) -> web.StreamResponse:
