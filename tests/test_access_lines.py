@@ -23,7 +23,7 @@ from aiohttp import hdrs, web
 from aiohttp.test_utils import make_mocked_request
 
 from proxy.cli.logs import JsonLineFormatter
-from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter, line_chunks
+from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter
 from proxy.core.redaction import mask_secrets
 from proxy.web import access_log
 from proxy.web.access_log import (
@@ -260,14 +260,6 @@ def test_a_regular_file_takes_each_batch_in_one_write(tmp_path: Path,
     _write_served(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND), lines)
     assert out.read_text() == "".join(lines)
     assert sizes == [len("".join(lines))]
-
-
-def test_line_chunks_hold_whole_lines_and_a_long_line_goes_alone() -> None:
-    data = b"".join([b"a" * 10 + b"\n", b"b" * 30 + b"\n", b"c" * 5 + b"\n", b"d\n"])
-    chunks = [bytes(chunk) for chunk in line_chunks(data, 16)]
-    assert chunks == [b"a" * 10 + b"\n", b"b" * 30 + b"\n", b"c" * 5 + b"\nd\n"]
-    assert [bytes(c) for c in line_chunks(b"x\ny\n", 4096)] == [b"x\ny\n"]
-    assert list(line_chunks(b"", 16)) == []
 
 
 def test_undecodable_bytes_come_out_as_escapes_as_before(tmp_path: Path) -> None:

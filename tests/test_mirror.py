@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -13,7 +14,7 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import Config, load_config
 from proxy.core.models import Platform, ProviderAddress
-from proxy.verification.stored_packages import fill_key
+from proxy.verification.stored_packages import StoredPackages, fill_key
 from proxy.web.routes import ARCHIVES_KEY
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample
@@ -311,32 +312,42 @@ async def test_ranges_and_preconditions_on_cached_files(client: TestClient, path
     assert await head.read() == b""
 
 
-async def test_a_cold_packages_download_document_is_asked_for_while_its_fill_waits(
+async def test_a_fill_asks_for_its_download_document_while_it_looks_at_the_store_again(
         client: TestClient, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fill asks upstream for the download document at once, while it waits for the
-    fill lock (here held by another process's fill) and looks at the store again: a cold
-    package's first byte waits for less. The fill then uses that answer."""
+    """A fill waiting for another process's fill lock asks upstream nothing (a fleet of
+    replicas sends one request, not one each); once it holds the lock it asks for the
+    download document at once, while it looks at the store again (a cold package's first
+    byte waits for less), and then uses that answer."""
     # Not the document VERSION.json just fetched (see the next test): a fresh one.
     monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # as Terraform does
     document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
     asked_before = registry.paths().count(document)
+    asked_during_the_second_look: list[int] = []
+    looked = StoredPackages.stored
+
+    async def slow_second_look(stored: StoredPackages, *args: Any, check: bool = True
+                               ) -> Any:
+        if not check:  # the look under the lock
+            await asyncio.sleep(0.3)
+            asked_during_the_second_look.append(registry.paths().count(document) - asked_before)
+        return await looked(stored, *args, check=check)
+
+    monkeypatch.setattr(StoredPackages, "stored", slow_second_look)
     archives = client.server.app[ARCHIVES_KEY]
     key = fill_key(ProviderAddress.parse("registry.terraform.io", "hashicorp", "null"),
                    "3.2.1", Platform.parse("linux", "amd64"))
     async with archives.fill_lock(key, "package") as held:
         assert held
         download = asyncio.ensure_future(client.get(f"{BASE}/{ZIP}"))
-        for _ in range(200):
-            if registry.paths().count(document) > asked_before:
-                break
-            await asyncio.sleep(0.025)
-        asked_while_locked = registry.paths().count(document) - asked_before
+        await asyncio.sleep(0.5)
+        asked_while_another_held_the_lock = registry.paths().count(document) - asked_before
     response = await download
     assert response.status == 200
     assert await response.read() == registry.releases[("hashicorp", "null", "3.2.1")].zips[
         "linux_amd64"]
-    assert asked_while_locked == 1
+    assert asked_while_another_held_the_lock == 0
+    assert asked_during_the_second_look[-1] == 1
     assert registry.paths().count(document) - asked_before == 1
 
 

@@ -157,8 +157,12 @@ def test_a_kept_answer_ends_with_its_moment_and_the_table_stays_bounded(
     assert requests.labels("mirror", "2xx")._value.get() == 1
     now[0] += 1.5
     assert quick.answer(make_mocked_request("GET", "/a")) is None
-    for path in ("/a", "/b", "/c"):  # the third starts the table again
+    for path in ("/a", "/b", "/a"):  # a path kept again takes no new place
         quick.keep(make_mocked_request("GET", path), "mirror", document)
+    quick.keep(make_mocked_request("GET", "/b?made-up=1"), "mirror", document)  # not kept
+    assert [quick.answer(make_mocked_request("GET", p)) is not None
+            for p in ("/a", "/b", "/b?made-up=1")] == [True, True, False]
+    quick.keep(make_mocked_request("GET", "/c"), "mirror", document)  # starts the table again
     assert [quick.answer(make_mocked_request("GET", p)) is not None
             for p in ("/a", "/b", "/c")] == [False, False, True]
 

@@ -17,7 +17,6 @@ import select
 import stat
 import threading
 import time
-from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +136,29 @@ class BatchedLineWriter:
             if batch is _STOP:
                 self._report_drops(final=True)
                 return
-            # Encoded at once: the same bytes as line by line.
-            data = "".join(batch).encode(self._encoding, self._errors)
-            if whole:
-                self._write(data)
+            if whole:  # encoded at once: the same bytes as line by line
+                self._write("".join(batch).encode(self._encoding, self._errors), len(batch))
             else:
-                for chunk in line_chunks(data, CHUNK_BYTES):
-                    self._write(chunk)
+                self._write_chunks(batch)
             self._written_size += sum(len(line) for line in batch)
             self._report_drops()
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _write_chunks(self, batch: list[str]) -> None:
+        # Chunks counted in bytes (a path may hold multi-byte characters), each of whole
+        # lines as added (a record of several lines stays whole); a longer one goes alone.
+        chunk: list[bytes] = []
+        size = 0
+        for line in batch:
+            data = line.encode(self._encoding, self._errors)
+            if size and size + len(data) > CHUNK_BYTES:
+                self._write(b"".join(chunk), len(chunk))
+                chunk, size = [], 0
+            chunk.append(data)
+            size += len(data)
+        if chunk:
+            self._write(b"".join(chunk), len(chunk))
+
+    def _write(self, data: bytes, lines: int) -> None:
         view = memoryview(data)
         while view:
             try:
@@ -158,26 +169,8 @@ class BatchedLineWriter:
                 if exc.errno == errno.EAGAIN:
                     time.sleep(0.01)
                     continue
-                self._lost += bytes(view).count(b"\n")  # the lines not (wholly) written
+                self._lost += lines
                 return
-
-
-def line_chunks(data: bytes, size: int) -> Iterator[memoryview]:
-    """data (lines, each ending in a newline) in chunks of whole lines of at most size bytes;
-    a line longer than size goes alone."""
-    view = memoryview(data)
-    start, end = 0, len(data)
-    while start < end:
-        if end - start <= size:
-            yield view[start:]
-            return
-        cut = data.rfind(b"\n", start, start + size)
-        if cut < 0:  # one line longer than a chunk
-            cut = data.find(b"\n", start + size)
-            if cut < 0:
-                cut = end - 1
-        yield view[start:cut + 1]
-        start = cut + 1
 
 
 def _regular_file(fd: int) -> bool:

@@ -73,10 +73,13 @@ class LeaseTimings:
 
 async def fill_unless_published(blobs: BlobStore, name: str, what: str,
                                 published: Callable[[], Awaitable[T | None]],
-                                fill: Callable[[], Awaitable[T]]) -> T:
+                                fill: Callable[[], Awaitable[T]],
+                                locked: Callable[[], None] | None = None) -> T:
     """What `published` finds, else the result of `fill` run under the fill lock. Checked
     again once the lock is taken (another fill may just have published it), and while
-    waiting for another holder: a waiter serves the artifact as soon as it is published."""
+    waiting for another holder: a waiter serves the artifact as soon as it is published.
+    locked() is called as soon as the lock is taken, before that second look (to start
+    what the fill will need meanwhile)."""
     found: T | None = None
 
     async def ready() -> bool:
@@ -87,6 +90,8 @@ async def fill_unless_published(blobs: BlobStore, name: str, what: str,
     while True:
         async with blobs.fill_lock(name, what, ready) as held:
             if held:
+                if locked is not None:
+                    locked()
                 found = await published()
                 return found if found is not None else await fill()
             if found is not None:  # else it went again meanwhile: wait for the lock

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from proxy.config import UpstreamConfig
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, key_id
-from proxy.core.errors import IntegrityError, NotFound, ProxyError
+from proxy.core.errors import IntegrityError, NotFound
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
@@ -21,10 +21,14 @@ from proxy.store import layout
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import new_spool, store_package
+from proxy.upstream.documents import VersionEntry
 from proxy.verification.packages import EarlyDownload, VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 
 log = logging.getLogger(__name__)
+# What a fill asks for as soon as it holds its lock: the version's entry, and the package's
+# download document under way (None: offline, or a platform the entry does not name).
+_Ahead = tuple[VersionEntry, EarlyDownload | None]
 
 
 class PackageFills:
@@ -62,42 +66,46 @@ class PackageFills:
     async def _fill(self, provider: ProviderAddress, version: str, platform: Platform,
                     offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
                     ) -> BlobInfo | GrowingFile[BlobInfo]:
-        early = await self._ask_early(provider, version, platform)
+        ahead: asyncio.Task[_Ahead] | None = None
+
+        def locked() -> None:
+            # What the download needs first is asked for at once, while the store is looked
+            # at again: a cold package's first byte waits for less. Not before the lock: a
+            # fill waiting for another process's lease asks upstream nothing.
+            nonlocal ahead
+            ahead = asyncio.ensure_future(self._entry_and_document(provider, version, platform))
+            ahead.add_done_callback(_retrieved)
+
         try:
             # Under the package's fill lock, across processes and replicas. Published by
             # another fill meanwhile? (Not a file to check: it is replaced.)
             return await fill_unless_published(
                 self._archives, fill_key(provider, version, platform), "package",
                 lambda: self._stored.stored(provider, version, platform, check=False),
-                lambda: self._download(provider, version, platform, offer, early))
+                lambda: self._download(provider, version, platform, offer, ahead), locked)
         finally:
-            if early is not None:
-                early.fetching.cancel()  # a no-op once it was answered
+            if ahead is not None:
+                _stop(ahead)
 
-    async def _ask_early(self, provider: ProviderAddress, version: str,
-                         platform: Platform) -> EarlyDownload | None:
-        """The download document asked for now, while the fill lock is taken and the store
-        looked at again (a cold package's first byte waits for less): online, for a platform
-        the version list names. A list that cannot be read is met again by the fill."""
-        if self._offline:
-            return None
-        try:
-            entry = await self._packages.version_entry(provider, version)
-        except ProxyError:
-            return None
-        if platform not in entry.platforms:
-            return None
-        return self._packages.ask_download(provider, version, platform)
+    async def _entry_and_document(self, provider: ProviderAddress, version: str,
+                                  platform: Platform) -> _Ahead:
+        """The version's entry, and its download document asked for (online, for a platform
+        the entry names)."""
+        entry = await self._packages.version_entry(provider, version)
+        if self._offline or platform not in entry.platforms:
+            return entry, None
+        return entry, self._packages.ask_download(provider, version, platform)
 
     async def _download(self, provider: ProviderAddress, version: str, platform: Platform,
                         offer: Offer[BlobInfo | GrowingFile[BlobInfo]],
-                        early: EarlyDownload | None
+                        ahead: asyncio.Task[_Ahead] | None
                         ) -> BlobInfo | GrowingFile[BlobInfo]:
-        entry = await self._packages.version_entry(provider, version)
+        entry, document = await (ahead if ahead is not None else
+                                 self._entry_and_document(provider, version, platform))
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
         info, package = await self._packages.current_download(provider, version, platform,
-                                                              early)
+                                                              document)
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
             try:
@@ -137,3 +145,18 @@ class PackageFills:
 def _published(source: BlobInfo | GrowingFile[BlobInfo]) -> bool:
     """Whether the fill that handed out source already published its file."""
     return not isinstance(source, GrowingFile) or source.final is not None
+
+
+def _retrieved(done: asyncio.Future[_Ahead]) -> None:
+    if not done.cancelled():
+        done.exception()  # a fill that failed first leaves no warning
+
+
+def _stop(ahead: asyncio.Task[_Ahead]) -> None:
+    """Stop what the fill asked for ahead and did not use (another fill published it)."""
+    if not ahead.done():
+        ahead.cancel()
+    elif not ahead.cancelled() and ahead.exception() is None:
+        document = ahead.result()[1]
+        if document is not None:
+            document.fetching.cancel()  # a no-op once it was answered

@@ -4,11 +4,13 @@ in force) is kept for a moment under that exact path, and the next GET and HEAD 
 it are answered from here: no router, no route guard, no handler, no held-document lookups.
 This is the path a warm `terraform init` and a fleet of CI runners take most.
 
-An answer is kept at most QUICK_SECONDS (never longer than version lists are held, so never
-older than the handler's own answer may be), and every kept answer is dropped at once when
-something it was built from changes in this process (a package verified, the policy
-reloaded). Each path was checked by the route's guard when its answer was kept: only exact
-paths the proxy answered with 200 are ever looked up here."""
+An answer is kept at most QUICK_SECONDS (versions_ttl when shorter), and every kept answer
+is dropped at once when something it was built from changes in this process (a package
+verified, a version list read anew, the policy reloaded). What another process changed (a
+platform another worker fetched, an import), which this process's held documents show a few
+seconds later, shows here up to QUICK_SECONDS later still. Each path was checked by the
+route's guard when its answer was kept: only exact paths (without a query: clients send
+none) the proxy answered with 200 are ever looked up here."""
 
 from __future__ import annotations
 
@@ -68,12 +70,15 @@ class QuickAnswers:
     def keep(self, request: web.Request, route: str, document: JsonBody) -> None:
         """Keep document as the answer to request's path, which route's guard let through
         and whose answer depends on nothing else."""
-        if len(self._kept) >= self._limit:
+        path = request.raw_path
+        if "?" in path:  # clients send none; made-up ones must not turn the table over
+            return
+        if path not in self._kept and len(self._kept) >= self._limit:
             self._kept.clear()
         headers = {hdrs.ETAG: document.etag, hdrs.CONTENT_TYPE: "application/json",
                    hdrs.SERVER: self._server_name}
-        self._kept[request.raw_path] = _Kept(document, headers, mask_secrets(request.path_qs),
-                                             route, time.monotonic() + self.seconds)
+        self._kept[path] = _Kept(document, headers, mask_secrets(request.path_qs), route,
+                                 time.monotonic() + self.seconds)
 
     def clear(self) -> None:
         """Drop every kept answer (something they were built from changed)."""
