@@ -27,8 +27,8 @@ from proxy.core.redaction import mask_secrets
 
 # How long an answer is kept (at most: versions_ttl when shorter).
 QUICK_SECONDS = 1.0
-# Paths kept at once; beyond, the table starts again empty (paths with made-up queries
-# cannot grow it).
+# Paths kept at once; beyond, the table starts again empty (however many distinct paths
+# clients ask for, it stays bounded).
 QUICK_PATHS = 4096
 _QUICK_METHODS = (hdrs.METH_GET, hdrs.METH_HEAD)
 
@@ -56,7 +56,7 @@ class _Kept:
 
 
 class QuickAnswers:
-    """The kept answers of one process, by exact request path (query included)."""
+    """The kept answers of one process, by exact request path (paths without a query)."""
 
     def __init__(self, requests: Counter, server_name: str, seconds: float = QUICK_SECONDS,
                  limit: int = QUICK_PATHS) -> None:
