@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import trustme
-from aiohttp.test_utils import make_mocked_request
+from aiohttp.test_utils import TestClient, make_mocked_request
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.app import create_app
@@ -188,3 +188,21 @@ async def test_a_version_list_replaced_tells_its_listeners_and_one_reread_does_n
     second = await lists.get("k", fetch, knows=lambda copy: "1.1.0" in copy)
     assert second == ["1.0.0", "1.1.0"]
     assert len(told) == changes_when_first_held + 1
+
+
+async def test_a_module_list_read_anew_drops_the_kept_list_at_once(
+        client: TestClient, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module version the kept list lacks, asked for, reads the list anew: the next
+    `versions` answer shows it at once."""
+    monkeypatch.setattr("proxy.store.freshness.UNKNOWN_ENTRY_REFRESH_SECONDS", 0.0)
+    net = "/modules/registry.terraform.io/acme/net/aws"
+    before = await (await client.get(f"{net}/versions")).json()
+    location = registry.modules[("acme", "net", "aws", "1.2.0")].location
+    registry.add_module("acme", "net", "aws", "1.3.0", location)
+    try:
+        assert (await client.get(f"{net}/1.3.0/download")).status == 200
+        after = await (await client.get(f"{net}/versions")).json()
+    finally:
+        del registry.modules[("acme", "net", "aws", "1.3.0")]
+    assert "1.3.0" not in str(before)
+    assert {"version": "1.3.0"} in after["modules"][0]["versions"]

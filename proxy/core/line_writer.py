@@ -48,7 +48,8 @@ class BatchedLineWriter:
         self._backlog_size = backlog_size
         self._encoding, self._errors = encoding, errors
         self._pending: list[str] = []
-        self._handed: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        # Batches with their size in characters.
+        self._handed: queue.SimpleQueue[tuple[list[str], int] | None] = queue.SimpleQueue()
         # Characters handed over and written, counted by one thread each: their difference
         # is the backlog.
         self._handed_size = 0  # the loop's
@@ -94,7 +95,7 @@ class BatchedLineWriter:
             self._thread = threading.Thread(target=self._write_forever, name="line-writer",
                                             daemon=True)
             self._thread.start()
-        self._handed.put(batch)
+        self._handed.put((batch, size))
 
     def _report_drops(self, final: bool = False) -> None:
         # On the writer thread only: the report may wait on the output as lines do.
@@ -132,15 +133,16 @@ class BatchedLineWriter:
         # gets chunks of whole lines of at most CHUNK_BYTES.
         whole = _regular_file(self._fd)
         while True:
-            batch = self._handed.get()
-            if batch is _STOP:
+            handed = self._handed.get()
+            if handed is _STOP:
                 self._report_drops(final=True)
                 return
+            batch, size = handed
             if whole:  # encoded at once: the same bytes as line by line
                 self._write("".join(batch).encode(self._encoding, self._errors), len(batch))
             else:
                 self._write_chunks(batch)
-            self._written_size += sum(len(line) for line in batch)
+            self._written_size += size
             self._report_drops()
 
     def _write_chunks(self, batch: list[str]) -> None:

@@ -71,7 +71,7 @@ class SingleFlight(Generic[T]):
                                        and stale(flight.answer.result())):
             return flight
         answer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        answer.add_done_callback(_retrieve)  # callers that left must not leave a warning
+        answer.add_done_callback(retrieved)  # callers that left must not leave a warning
 
         def offer(value: T) -> None:
             if not answer.done():
@@ -126,6 +126,8 @@ def _answered(answer: asyncio.Future[Any]) -> bool:
     return answer.done() and not answer.cancelled() and answer.exception() is None
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
+def retrieved(future: asyncio.Future[Any]) -> None:
+    """A done callback: future's exception counts as seen (asyncio warns of one that no one
+    retrieved), for futures whose caller may have left before they failed."""
     if not future.cancelled():
         future.exception()

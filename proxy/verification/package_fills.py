@@ -15,20 +15,20 @@ from proxy.core.errors import IntegrityError, NotFound
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
-from proxy.core.singleflight import Offer, SingleFlight
+from proxy.core.singleflight import Offer, SingleFlight, retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store import layout
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import new_spool, store_package
-from proxy.upstream.documents import VersionEntry
-from proxy.verification.packages import EarlyDownload, VerifiedPackages
+from proxy.upstream.documents import DownloadInfo, VersionEntry
+from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 
 log = logging.getLogger(__name__)
 # What a fill asks for as soon as it holds its lock: the version's entry, and the package's
 # download document under way (None: offline, or a platform the entry does not name).
-_Ahead = tuple[VersionEntry, EarlyDownload | None]
+_Ahead = tuple[VersionEntry, asyncio.Future[DownloadInfo] | None]
 
 
 class PackageFills:
@@ -74,7 +74,7 @@ class PackageFills:
             # fill waiting for another process's lease asks upstream nothing.
             nonlocal ahead
             ahead = asyncio.ensure_future(self._entry_and_document(provider, version, platform))
-            ahead.add_done_callback(_retrieved)
+            ahead.add_done_callback(retrieved)  # a fill that failed first: no warning
 
         try:
             # Under the package's fill lock, across processes and replicas. Published by
@@ -100,8 +100,8 @@ class PackageFills:
                         offer: Offer[BlobInfo | GrowingFile[BlobInfo]],
                         ahead: asyncio.Task[_Ahead] | None
                         ) -> BlobInfo | GrowingFile[BlobInfo]:
-        entry, document = await (ahead if ahead is not None else
-                                 self._entry_and_document(provider, version, platform))
+        assert ahead is not None  # asked for by locked(), which runs before the fill
+        entry, document = await ahead
         if platform not in entry.platforms:
             raise NotFound(f"{provider} {version} is not published for {platform.key}")
         info, package = await self._packages.current_download(provider, version, platform,
@@ -147,11 +147,6 @@ def _published(source: BlobInfo | GrowingFile[BlobInfo]) -> bool:
     return not isinstance(source, GrowingFile) or source.final is not None
 
 
-def _retrieved(done: asyncio.Future[_Ahead]) -> None:
-    if not done.cancelled():
-        done.exception()  # a fill that failed first leaves no warning
-
-
 def _stop(ahead: asyncio.Task[_Ahead]) -> None:
     """Stop what the fill asked for ahead and did not use (another fill published it)."""
     if not ahead.done():
@@ -159,4 +154,4 @@ def _stop(ahead: asyncio.Task[_Ahead]) -> None:
     elif not ahead.cancelled() and ahead.exception() is None:
         document = ahead.result()[1]
         if document is not None:
-            document.fetching.cancel()  # a no-op once it was answered
+            document.cancel()  # a no-op once it was answered

@@ -26,7 +26,7 @@ from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
-from proxy.core.singleflight import SingleFlight
+from proxy.core.singleflight import SingleFlight, retrieved
 from proxy.store import layout
 from proxy.store.file_identity import FileIdentity, identity_from_record, identity_to_record
 from proxy.store.freshness import RefreshingDocuments
@@ -53,9 +53,6 @@ UNSIGNED_ALLOWED_HOSTS = frozenset({"registry.opentofu.org"})
 HELD_FACTS = 16384
 # How long a failed SHA256SUMS check counts as the same failure when met again.
 SUMS_FAILURE_SECONDS = 10.0
-# A download document asked for early is used if it was asked for this recently (its URL may
-# be short-lived, and a fill may wait long for another process's lease); else asked again.
-EARLY_DOWNLOAD_SECONDS = 10.0
 # A download document fetched for a package's facts (VERSION.json) whose URL has no query (no
 # signature that may be short-lived or single-use) is taken by the package's fill this long
 # after (once): the zip of a VERSION.json just answered costs no second request for it.
@@ -78,14 +75,6 @@ class VerifiedPackage:
     # The stored zip as it was when its bytes last matched shasum: a hit on a file that no
     # longer looks like this reads it again before serving it.
     stored_as: FileIdentity | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EarlyDownload:
-    """A download document asked for before it was needed (ask_download)."""
-
-    asked_at: float  # time.monotonic()
-    fetching: asyncio.Future[DownloadInfo]
 
 
 class VerifiedPackages:
@@ -171,32 +160,29 @@ class VerifiedPackages:
         raise UnknownVersion(f"{provider} has no version {version}")
 
     def ask_download(self, provider: ProviderAddress, version: str,
-                     platform: Platform) -> EarlyDownload:
-        """Start asking upstream for a download document now (see current_download); one
-        this process was sent at most RECENT_DOWNLOAD_SECONDS ago is taken instead (once)."""
-        key = self.package_key(provider, version, platform)
-        recent = self._recent_downloads.pop(key, None)
+                     platform: Platform) -> asyncio.Future[DownloadInfo]:
+        """A download document, asked for now (see current_download); one this process was
+        sent at most RECENT_DOWNLOAD_SECONDS ago is taken instead (once)."""
+        recent = self._recent_downloads.pop(self.package_key(provider, version, platform), None)
         if recent is not None and time.monotonic() - recent[0] <= RECENT_DOWNLOAD_SECONDS:
             taken: asyncio.Future[DownloadInfo] = asyncio.get_running_loop().create_future()
             taken.set_result(recent[1])
-            return EarlyDownload(recent[0], taken)
+            return taken
         fetching = asyncio.ensure_future(
             self._registry.download_info(provider, version, platform))
-        fetching.add_done_callback(_retrieve)  # a caller that failed first leaves no warning
-        return EarlyDownload(time.monotonic(), fetching)
+        fetching.add_done_callback(retrieved)  # a caller that failed first leaves no warning
+        return fetching
 
     async def current_download(self, provider: ProviderAddress, version: str,
-                               platform: Platform, early: EarlyDownload | None = None
+                               platform: Platform,
+                               fetching: asyncio.Future[DownloadInfo] | None = None
                                ) -> tuple[DownloadInfo, VerifiedPackage]:
         """A fresh download document (its URL may be short-lived) and the verified facts,
         which it must still agree with. The document is asked for while the facts are read
-        (a cold package's first byte waits for both), or was asked for early (ask_download:
-        taken if asked for at most EARLY_DOWNLOAD_SECONDS ago); facts not recorded yet are
-        fetched with it."""
-        if early is not None and time.monotonic() - early.asked_at <= EARLY_DOWNLOAD_SECONDS:
-            fetching = early.fetching
-        else:
-            fetching = self.ask_download(provider, version, platform).fetching
+        (a cold package's first byte waits for both), unless the caller asked for it already
+        (fetching, from ask_download); facts not recorded yet are fetched with it."""
+        if fetching is None:
+            fetching = self.ask_download(provider, version, platform)
         try:
             known = await self._recorded(provider, version, platform)
             info = await fetching
@@ -420,8 +406,3 @@ SUMS_ID = re.compile(r"[0-9a-f]{32}")
 def sums_id(shasums_url: str) -> str:
     """A short, stable name for one upstream SHA256SUMS file (matches SUMS_ID)."""
     return hashlib.sha256(shasums_url.encode()).hexdigest()[:32]
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

@@ -66,9 +66,14 @@ def request_line_fields(request: BaseRequest, response: StreamResponse,
 
 def plain_text(fields: dict[str, Any]) -> str:
     """`remote "METHOD path" status bytes duration cache=... aborted=...`."""
-    return (f'{fields["remote"]} "{fields["method"]} {fields["path"]}" {fields["status"]} '
-            f'{fields["bytes"]} {fields["duration_ms"]}ms cache={fields["cache"]} '
-            f'aborted={fields["aborted"]}')
+    return (f'{fields["remote"]} '
+            f'{request_part(fields["method"], fields["path"], fields["status"], fields["bytes"])}'
+            f'{fields["duration_ms"]}ms cache={fields["cache"]} aborted={fields["aborted"]}')
+
+
+def request_part(method: str, path: str, status: object, size: object) -> str:
+    """A plain line's part from the request line to the size, with its trailing space."""
+    return f'"{method} {path}" {status} {size} '
 
 
 def json_time(created: float) -> str:
@@ -111,10 +116,9 @@ class AccessLines(logging.Handler):
         if part is None:
             if len(self._quick_parts) >= _QUICK_PARTS:
                 self._quick_parts.clear()
-            part = self._quick_parts[key] = f'"GET {key[0]}" 200 {key[1]} '
-        created = time.time()
-        self._writer.add(f"{self._asctime(created)} INFO {self._who}{ACCESS_LOGGER}: {remote} "
-                         f"{part}{round(seconds * 1000, 1)}ms cache=- aborted=-\n")
+            part = self._quick_parts[key] = request_part("GET", key[0], 200, key[1])
+        self._writer.add(f"{self._text_prefix(time.time(), 'INFO')}{remote} {part}"
+                         f"{round(seconds * 1000, 1)}ms cache=- aborted=-\n")
 
     def line(self, fields: dict[str, Any], created: float) -> str:
         """The line, newline included, exactly as the formatters would write it."""
@@ -125,7 +129,11 @@ class AccessLines(logging.Handler):
     def _text_line(self, created: float, level: str, message: str) -> str:
         if self._json_text:
             return self._json_line(created, level, {"message": message})
-        return f"{self._asctime(created)} {level} {self._who}{ACCESS_LOGGER}: {message}\n"
+        return f"{self._text_prefix(created, level)}{message}\n"
+
+    def _text_prefix(self, created: float, level: str) -> str:
+        """What logging's text format puts before a line's message."""
+        return f"{self._asctime(created)} {level} {self._who}{ACCESS_LOGGER}: "
 
     def _json_line(self, created: float, level: str, content: dict[str, Any]) -> str:
         entry: dict[str, Any] = {"time": json_time(created), "level": level,
