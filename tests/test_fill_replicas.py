@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -100,3 +101,59 @@ async def test_fill_lease_outcomes_are_exported(
     after = await (await client.get("/metrics")).text()
     assert sample(after, "tfproxy_fill_leases_total", outcome="acquired") == 1
     assert sample(after, "tfproxy_fill_leases_total", outcome="taken_over") == 0
+
+
+
+async def _download_started(registry: FakeRegistry) -> None:
+    for _ in range(1000):
+        if UPSTREAM_ZIP in registry.paths():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the package's download never started")
+
+
+async def test_a_process_waiting_for_another_process_fill_sends_its_bytes_as_they_arrive(
+        replicas: list[TestClient], registry: FakeRegistry,  # type: ignore[type-arg]
+        request: pytest.FixtureRequest) -> None:
+    whole = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    registry.faults.add("slowzip")  # a slow upstream: the fill takes seconds
+    first = asyncio.ensure_future(fetch(replicas[0]))
+    await _download_started(registry)
+    response = await replicas[1].get(f"{BASE}/{ZIP}")
+    try:
+        assert response.status == 200
+        start = await asyncio.wait_for(response.content.readany(), 10)
+        if request.node.callspec.params["replicas"] == "disk":
+            # The other process's spool, followed: bytes long before its fill ended.
+            assert start and not first.done()
+        body = start + await asyncio.wait_for(response.content.read(), 30)
+    finally:
+        response.release()
+    assert body == whole
+    assert await asyncio.wait_for(first, 30) == (200, whole)
+    assert registry.paths().count(UPSTREAM_ZIP) == 1
+
+
+async def test_a_fill_followed_from_another_process_that_fails_verification_is_cut_short(
+        aiohttp_client, proxy_config: Config, registry: FakeRegistry) -> None:  # type: ignore[no-untyped-def]
+    # Two apps on one cache directory (the disk backend's fills are followed across
+    # processes; an object store's waiters wait for the publish).
+    replicas = [await aiohttp_client(create_app(proxy_config)) for _ in range(2)]
+    whole = registry.releases[("hashicorp", "null", "3.2.1")].zips["linux_amd64"]
+    registry.faults.update({"slowzip", "corrupt"})
+    first = asyncio.ensure_future(fetch(replicas[0]))
+    await _download_started(registry)
+    response = await replicas[1].get(f"{BASE}/{ZIP}")
+    received = b""
+    try:
+        assert response.status == 200  # following: the headers went before the end
+        with pytest.raises(aiohttp.ClientPayloadError):
+            while chunk := await asyncio.wait_for(response.content.readany(), 30):
+                received += chunk
+    finally:
+        response.release()
+    assert 0 < len(received) < len(whole)  # some bytes, never the whole (bad) body
+    with pytest.raises(aiohttp.ClientPayloadError):  # the filler's own client: cut too
+        await asyncio.wait_for(first, 30)
+    registry.faults.clear()
+    assert await fetch(replicas[1]) == (200, whole)  # nothing bad was stored

@@ -28,6 +28,7 @@ import aiofiles.os
 from proxy.core.executors import quick, quick_soon
 from proxy.store.disk_space import DiskSpace
 from proxy.store.file_identity import FileIdentity, identity_of
+from proxy.store.fill_notices import remove_dead_notices
 from proxy.store.layout import AREAS, HOT_COPIES_DIR
 from proxy.store.protocol import Ready
 from proxy.store.usage import (
@@ -125,7 +126,7 @@ class ArchiveStore:
                 # renames its pending directory, or another sweeper got there first.
                 continue
         self._sweep_unstriped_locks()
-        return removed
+        return removed + remove_dead_notices(self._locks)
 
     @staticmethod
     def _sweep_one(leftover: Path) -> bool:
@@ -156,6 +157,11 @@ class ArchiveStore:
         LOCK_STRIPES, so their number stays bounded."""
         stripe = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % LOCK_STRIPES
         return self._locks / f"stripe-{stripe:04d}.lock"
+
+    def notice_path(self, name: str) -> Path:
+        """Where the fill of name posts its notice for the other processes (beside the lock
+        files: never swept while its process lives)."""
+        return self._locks / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.fill"
 
     def measure(self) -> int:
         """Add up the stored files and record the total for every process sharing the cache

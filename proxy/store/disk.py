@@ -162,6 +162,10 @@ class DiskBlobStore:
         """A work directory in this process's temp directory."""
         return self.files.work_dir()
 
+    def fill_notice(self, name: str) -> Path | None:
+        """Beside the lock files: a publish renames the spool, so followers can tell."""
+        return self.files.notice_path(name)
+
     async def publish(self, key: str, spool: Path) -> BlobInfo:
         """Rename the spool into place (no copy); its identity is the blob's (a rename
         changes none of it)."""

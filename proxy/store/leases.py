@@ -74,17 +74,22 @@ class LeaseTimings:
 async def fill_unless_published(blobs: BlobStore, name: str, what: str,
                                 published: Callable[[], Awaitable[T | None]],
                                 fill: Callable[[], Awaitable[T]],
-                                locked: Callable[[], None] | None = None) -> T:
+                                locked: Callable[[], None] | None = None,
+                                follow: Callable[[], Awaitable[T | None]] | None = None) -> T:
     """What `published` finds, else the result of `fill` run under the fill lock. Checked
     again once the lock is taken (another fill may just have published it), and while
     waiting for another holder: a waiter serves the artifact as soon as it is published.
     locked() is called as soon as the lock is taken, before that second look (to start
-    what the fill will need meanwhile)."""
+    what the fill will need meanwhile). A waiter also asks `follow` (if given) for what it can
+    send while another process fills it (proxy.store.fill_notices), and stops waiting once
+    that answers."""
     found: T | None = None
 
     async def ready() -> bool:
         nonlocal found
         found = await published()
+        if found is None and follow is not None:
+            found = await follow()
         return found is not None
 
     while True:

@@ -131,6 +131,10 @@ class MemoryBlobStore:
         """A fresh scratch file name."""
         return self.scratch / f"{uuid.uuid4().hex}.part"
 
+    def fill_notice(self, _name: str) -> Path | None:
+        """None: a publish copies the spool into memory."""
+        return None
+
     def work_dir(self) -> Path:
         """A fresh scratch directory."""
         return Path(tempfile.mkdtemp(prefix="work-", dir=self.scratch))

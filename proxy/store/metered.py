@@ -66,6 +66,10 @@ class MeteredBlobStore:
         """The inner store's."""
         return self.inner.work_dir()
 
+    def fill_notice(self, name: str) -> Path | None:
+        """The inner store's."""
+        return self.inner.fill_notice(name)
+
     async def publish(self, key: str, spool: Path) -> BlobInfo:
         """Counted as publish."""
         return await self._meter.timed("publish", self.inner.publish(key, spool))

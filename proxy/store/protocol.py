@@ -112,6 +112,13 @@ class BlobStore(Protocol):
         """A fresh, empty local work directory; the caller removes it."""
         ...
 
+    def fill_notice(self, name: str) -> Path | None:
+        """Where the fill of name posts its notice for the other processes of this host
+        (proxy.store.fill_notices), in a directory directly inside the temp area that holds
+        its spool; None where followers could not tell the published blob is the spool they followed
+        (its publish does not keep the spool's identity)."""
+        ...
+
     async def publish(self, key: str, spool: Path) -> BlobInfo:
         """Make the finished spool the blob at key, atomically (replacing any older one);
         the spool is consumed. Keeps the store within its size limit afterwards."""

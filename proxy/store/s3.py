@@ -197,6 +197,10 @@ class S3BlobStore:
         """A local work directory."""
         return self.hot.work_dir()
 
+    def fill_notice(self, _name: str) -> Path | None:
+        """None: a publish uploads the spool; the blob's identity is the object's."""
+        return None
+
     def watch_damage(self, listener: DamageListener) -> None:
         """listener is told of each damaged hot copy this store drops by itself."""
         self._listeners.append(listener)

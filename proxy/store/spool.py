@@ -12,6 +12,7 @@ import time
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from proxy.core.errors import IntegrityError, UpstreamError
@@ -36,8 +37,7 @@ async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]
     reads the published blob. A download of announced size that cannot fit is refused
     first (InsufficientStorage: a 507 before any headers), in the same thread hop (a cold
     package's first byte waits for each)."""
-    spool: GrowingFile[BlobInfo] = GrowingFile(
-        store.spool_path(), size, mark_in_use, lambda final: _published(store, final))
+    spool = spool_of(store, store.spool_path(), size)
 
     def make() -> None:
         if size is not None:
@@ -46,6 +46,12 @@ async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]
 
     await quick(make)
     return spool
+
+
+def spool_of(store: BlobStore, temp: Path, size: int | None) -> GrowingFile[BlobInfo]:
+    """The spool at temp, to be published to store: its readers' handles are marked in use,
+    and a reader that comes after it was published reads the published blob."""
+    return GrowingFile(temp, size, mark_in_use, lambda final: _published(store, final))
 
 
 async def _published(store: BlobStore, final: BlobInfo) -> AsyncIterator[bytes]:

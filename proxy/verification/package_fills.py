@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import replace
 
 from proxy.config import UpstreamConfig
@@ -18,6 +19,7 @@ from proxy.core.redaction import mask_secrets
 from proxy.core.singleflight import Offer, SingleFlight, retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store import layout
+from proxy.store.fill_notices import OtherFill, PostedNotice
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import new_spool, store_package
@@ -67,6 +69,8 @@ class PackageFills:
                     offer: Offer[BlobInfo | GrowingFile[BlobInfo]]
                     ) -> BlobInfo | GrowingFile[BlobInfo]:
         ahead: asyncio.Task[_Ahead] | None = None
+        key = fill_key(provider, version, platform)
+        other: OtherFill | None = None
 
         def locked() -> None:
             # What the download needs first is asked for at once, while the store is looked
@@ -76,16 +80,31 @@ class PackageFills:
             ahead = asyncio.ensure_future(self._entry_and_document(provider, version, platform))
             ahead.add_done_callback(retrieved)  # a fill that failed first: no warning
 
+        def published() -> Awaitable[BlobInfo | None]:
+            return self._stored.stored(provider, version, platform, check=False)
+
+        async def followed() -> GrowingFile[BlobInfo] | None:
+            # Another process of this host is downloading it: its spool, followed.
+            nonlocal other
+            other = await OtherFill.find(self._archives, key)
+            return None if other is None else other.spool
+
         try:
             # Under the package's fill lock, across processes and replicas. Published by
             # another fill meanwhile? (Not a file to check: it is replaced.)
-            return await fill_unless_published(
-                self._archives, fill_key(provider, version, platform), "package",
-                lambda: self._stored.stored(provider, version, platform, check=False),
-                lambda: self._download(provider, version, platform, offer, ahead), locked)
+            found = await fill_unless_published(
+                self._archives, key, "package", published,
+                lambda: self._download(provider, version, platform, offer, ahead), locked,
+                followed)
+            if other is not None and found is other.spool:
+                offer(other.spool)
+                return await other.follow(published)
+            return found
         finally:
             if ahead is not None:
                 _stop(ahead)
+            if other is not None:
+                other.close()
 
     async def _entry_and_document(self, provider: ProviderAddress, version: str,
                                   platform: Platform) -> _Ahead:
@@ -115,6 +134,8 @@ class PackageFills:
                                                        self._max_size) as download:
                     spool = await new_spool(self._archives, download.size)
                     offer(spool)
+                    notice = await PostedNotice.post(self._archives, fill_key(
+                        provider, version, platform), spool)
                     try:
                         stored = await store_package(
                             self._archives, layout.provider_archive(provider, version, platform),
@@ -125,6 +146,9 @@ class PackageFills:
                         artifact = f"{provider} {version} {platform.key}"
                         raise self._packages.integrity(exc.kind, f"{artifact}: {exc.message}",
                                                        artifact) from None
+                    finally:
+                        if notice is not None:
+                            notice.withdraw()
             finally:
                 self._metrics.fills_in_flight.dec()
         self._audit.record(
