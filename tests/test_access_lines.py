@@ -137,6 +137,38 @@ def test_a_kept_answers_line_is_the_line_of_any_answer(
     assert len(built_from_fields) == (1 if (method, status) == ("GET", 200) else 2)
 
 
+async def test_a_line_is_made_with_its_batch_not_while_its_request_is_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the loop, a request leaves its fields; its line is made when its batch is handed
+    over (one after another, lines cost less), in the order the requests ended."""
+    made: list[str] = []
+    plain = access_log.plain_text
+
+    def counted(fields: dict[str, Any]) -> str:
+        made.append(fields["path"])
+        return plain(fields)
+
+    monkeypatch.setattr(access_log, "plain_text", counted)
+    out = tmp_path / "out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+    writer = BatchedLineWriter(fd)
+    lines = AccessLines("plain", "text", None, writer)
+    try:
+        for number in range(3):
+            lines.write({**FIELDS, "path": f"/mirror/{number}.zip"})
+        writer.add("a line made already\n")
+        assert made == []  # nothing made while requests are answered
+        await asyncio.sleep(0.1)  # the batch is handed over
+        assert made == [f"/mirror/{number}.zip" for number in range(3)]
+    finally:
+        lines.close()
+        os.close(fd)
+    written = out.read_text().splitlines()
+    assert [line.split('"')[1] for line in written[:3]] == [
+        f"GET /mirror/{number}.zip" for number in range(3)]
+    assert written[3] == "a line made already"
+
+
 @pytest.mark.parametrize("log_format", ["text", "json"])
 @pytest.mark.parametrize("access_format", ["plain", "json"])
 def test_a_record_logged_another_way_is_the_line_the_formatters_wrote(

@@ -1,5 +1,6 @@
 """Lines written in batches by a thread, so that a request's log line costs the event loop a
-list append: the lines of HAND_OVER_SECONDS are handed over at once, and the thread
+list append: the lines of HAND_OVER_SECONDS are made (those added as what makes them) and
+handed over at once, and the thread
 writes them to a file descriptor in chunks of whole lines of at most PIPE_BUF bytes (so
 that the lines of several processes on one pipe never interleave mid-line). A stuck reader
 (a full pipe) never blocks requests: beyond a bounded backlog, lines are dropped, counted
@@ -17,8 +18,14 @@ import select
 import stat
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+# A line, or what makes it once its batch is handed over: (make, *make's arguments). Made
+# one after another, lines cost less than made one per request between requests (their code
+# and data stay in the CPU's caches: measured several times cheaper).
+Line = str | tuple[Any, ...]
 
 # The most bytes one write may carry and still stay whole on a pipe (POSIX: atomic).
 CHUNK_BYTES = select.PIPE_BUF
@@ -47,7 +54,7 @@ class BatchedLineWriter:
         self._fd = fd
         self._backlog_size = backlog_size
         self._encoding, self._errors = encoding, errors
-        self._pending: list[str] = []
+        self._pending: list[Line] = []
         # Batches with their size in characters.
         self._handed: queue.SimpleQueue[tuple[list[str], int] | None] = queue.SimpleQueue()
         # Characters handed over and written, counted by one thread each: their difference
@@ -70,8 +77,9 @@ class BatchedLineWriter:
         """Lines not written, since the start."""
         return self._refused + self._lost
 
-    def add(self, line: str) -> None:
-        """Queue one line; handed over within HAND_OVER_SECONDS (at once outside a loop)."""
+    def add(self, line: Line) -> None:
+        """Queue one line (or what makes it); handed over within HAND_OVER_SECONDS (at once
+        outside a loop)."""
         if self._closed:
             return
         if not self._pending:
@@ -85,7 +93,8 @@ class BatchedLineWriter:
         self._pending.append(line)
 
     def _hand_over(self) -> None:
-        batch, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
+        batch = [line if isinstance(line, str) else line[0](*line[1:]) for line in pending]
         size = sum(len(line) for line in batch)
         if self._handed_size - self._written_size + size > self._backlog_size:
             self._refused += len(batch)  # reported by the writer thread once it gets through

@@ -1,10 +1,10 @@
 """One access log line per request, plain or JSON, with credentials in URLs masked.
 
-Serving (proxy.cli.logs installs an AccessLines handler on the access logger), a line is
-built in one step from the request's fields, in exactly the form the logging formatters
-give it, and handed to a batched writer thread (proxy.core.line_writer): no log record, no
-formatter, no write per request. Elsewhere (a test capturing records, a command), lines go
-through logging as records."""
+Serving (proxy.cli.logs installs an AccessLines handler on the access logger), a request
+leaves its fields with a batched writer (proxy.core.line_writer), which has its line made in
+one step with the rest of its batch, in exactly the form the logging formatters give it, and
+written by a thread: no log record, no formatter, no write per request. Elsewhere (a test
+capturing records, a command), lines go through logging as records."""
 
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def json_time(created: float) -> str:
 
 
 class AccessLines(logging.Handler):
-    """The access logger's handler while serving: each line built in one step, in the form
-    the server's formatters give it (server.log_format, server.access_log), and written in
-    batches. Records that still reach it (emit) are written the same way."""
+    """The access logger's handler while serving: each line made in one step with its batch,
+    in the form the server's formatters give it (server.log_format, server.access_log), and
+    written in batches. Records that still reach it (emit) are written the same way."""
 
     def __init__(self, access_format: str, log_format: str, worker: int | None,
                  writer: BatchedLineWriter) -> None:
@@ -104,21 +104,27 @@ class AccessLines(logging.Handler):
         self._quick_parts: dict[tuple[str, int], str] = {}
 
     def write(self, fields: dict[str, Any]) -> None:
-        """One request's line."""
-        self._writer.add(self.line(fields, time.time()))
+        """One request's line, made with its batch."""
+        self._writer.add((self.line, fields, time.time()))
 
     def write_quick(self, remote: str | None, answer: QuickAnswer, seconds: float) -> None:
-        """The line of a 200 to a GET from QuickAnswers, in plain text lines (what
-        plain_text and _text_line make of its fields, the same characters), its fixed part
-        made once per path and size: the line costs a kept answer's path little."""
-        key = (answer.logged_path, answer.body_size)
+        """The line of a 200 to a GET from QuickAnswers, in plain text lines: made with
+        its batch (the line costs a kept answer's path little)."""
+        self._writer.add((self._quick_line, time.time(), remote, answer.logged_path,
+                          answer.body_size, seconds))
+
+    def _quick_line(self, created: float, remote: str | None, path: str, size: int,
+                    seconds: float) -> str:
+        """What plain_text and _text_line make of a kept 200 GET's fields (the same
+        characters), its fixed part made once per path and size."""
+        key = (path, size)
         part = self._quick_parts.get(key)
         if part is None:
             if len(self._quick_parts) >= _QUICK_PARTS:
                 self._quick_parts.clear()
-            part = self._quick_parts[key] = request_part("GET", key[0], 200, key[1])
-        self._writer.add(f"{self._text_prefix(time.time(), 'INFO')}{remote} {part}"
-                         f"{round(seconds * 1000, 1)}ms cache=- aborted=-\n")
+            part = self._quick_parts[key] = request_part("GET", path, 200, size)
+        return (f"{self._text_prefix(created, 'INFO')}{remote} {part}"
+                f"{round(seconds * 1000, 1)}ms cache=- aborted=-\n")
 
     def line(self, fields: dict[str, Any], created: float) -> str:
         """The line, newline included, exactly as the formatters would write it."""
