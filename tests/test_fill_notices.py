@@ -26,8 +26,9 @@ def _gone_pid() -> int:
 async def _posted(blobs: DiskBlobStore) -> tuple[GrowingFile[BlobInfo], PostedNotice]:
     spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), 10)
     spool.temp.write_bytes(b"abc")
-    notice = await PostedNotice.post(blobs, NAME, spool)
+    notice = PostedNotice.of(blobs, NAME)
     assert notice is not None
+    notice.post(spool)
     return spool, notice
 
 

@@ -46,33 +46,36 @@ class Notice:
 
 
 class PostedNotice:
-    """A fill's own notice: posted when its spool exists, withdrawn when the fill ended
-    (published or failed)."""
+    """A fill's own notice: posted once its spool exists (where the spool is made: no thread
+    hop of its own before the first byte), withdrawn when the fill ended (published or
+    failed)."""
 
-    def __init__(self, path: Path, temp: Path) -> None:
+    def __init__(self, path: Path, name: str) -> None:
         self._path = path
-        self._temp = str(temp)
+        self._name = name
+        self._temp: str | None = None  # once posted
 
     @classmethod
-    async def post(cls, store: BlobStore, name: str,
-                   spool: GrowingFile[BlobInfo]) -> PostedNotice | None:
-        """Post the notice of the fill of name (None if the store takes no notices, or it
-        could not be written: then nobody follows, as before)."""
+    def of(cls, store: BlobStore, name: str) -> PostedNotice | None:
+        """The notice the fill of name will post (None if the store takes no notices)."""
         path = store.fill_notice(name)
-        if path is None:
-            return None
-        notice = cls(path, spool.temp)
+        return None if path is None else cls(path, name)
+
+    def post(self, spool: GrowingFile[BlobInfo]) -> None:
+        """Post it for spool (blocking; if it cannot be written, nobody follows the fill)."""
         body = json.dumps({"temp": str(spool.temp), "size": spool.size, "pid": os.getpid()})
         try:
-            await quick(_replace_with, path, body.encode())
+            _replace_with(self._path, body.encode())
         except OSError as exc:
-            log.debug("no fill notice for %s: %s", name, exc)
-            return None
-        return notice
+            log.debug("no fill notice for %s: %s", self._name, exc)
+            return
+        self._temp = str(spool.temp)
 
     def withdraw(self) -> None:
         """Remove the notice (blocking, and quick: also when the fill is cancelled), unless a
         later fill's replaced it."""
+        if self._temp is None:
+            return
         try:
             found = read_notice(self._path)
             if found is not None and found.temp == self._temp:

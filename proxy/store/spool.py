@@ -31,18 +31,22 @@ class StoredArchive:
     sha256: str
 
 
-async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]:
+async def new_spool(store: BlobStore, size: int | None,
+                    made: Callable[[GrowingFile[BlobInfo]], None] | None = None
+                    ) -> GrowingFile[BlobInfo]:
     """A fresh, empty spool that readers may follow while a fill writes it (their handles
     are marked in use, as a stored file's are); a reader that comes after it was published
     reads the published blob. A download of announced size that cannot fit is refused
-    first (InsufficientStorage: a 507 before any headers), in the same thread hop (a cold
-    package's first byte waits for each)."""
+    first (InsufficientStorage: a 507 before any headers), in the same thread hop as the
+    spool is made and `made` told of it (a cold package's first byte waits for each)."""
     spool = spool_of(store, store.spool_path(), size)
 
     def make() -> None:
         if size is not None:
             store.disk.require_room("package", size)
         spool.temp.touch()
+        if made is not None:
+            made(spool)
 
     await quick(make)
     return spool

@@ -132,10 +132,12 @@ class PackageFills:
                          mask_secrets(info.download_url))  # may be a presigned URL
                 async with self._packages.open_package(provider, info,
                                                        self._max_size) as download:
-                    spool = await new_spool(self._archives, download.size)
+                    # For this host's other processes to follow (proxy.store.fill_notices).
+                    notice = PostedNotice.of(self._archives, fill_key(provider, version,
+                                                                      platform))
+                    spool = await new_spool(self._archives, download.size,
+                                            None if notice is None else notice.post)
                     offer(spool)
-                    notice = await PostedNotice.post(self._archives, fill_key(
-                        provider, version, platform), spool)
                     try:
                         stored = await store_package(
                             self._archives, layout.provider_archive(provider, version, platform),
