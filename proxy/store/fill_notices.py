@@ -153,15 +153,15 @@ class OtherFill:
         if notice is None or not _alive(notice.pid):
             return None
         temp = Path(notice.temp)
-        # A notice names a spool of this store (in the temp area its notices sit in), nothing
-        # else.
-        if path.parent.parent.resolve() not in temp.resolve().parents:
-            log.warning("ignored the fill notice of %s: %s is not a spool", name, temp)
-            return None
         try:
+            # A notice names a spool of this store (in the temp area its notices sit in),
+            # nothing else.
+            if path.parent.parent.resolve() not in temp.resolve().parents:
+                log.warning("ignored the fill notice of %s: %s is not a spool", name, temp)
+                return None
             fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return None  # it ended meanwhile
+            return None  # it ended meanwhile (or the path cannot be resolved)
         return cls(store, path, notice, fd)
 
     def _under_way(self) -> bool:
