@@ -128,6 +128,24 @@ async def test_package_over_the_size_limit_is_refused(make: Make, registry: Fake
     assert not list(proxy_config.cache.dir.rglob("*.zip"))
 
 
+async def test_a_package_upstream_refuses_leaves_no_spool_behind(
+        make: Make, registry: FakeRegistry, proxy_config: Config) -> None:
+    """The spool is made while upstream is asked for the package: its answer refused, the
+    spool goes too."""
+    client = await make()
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # its facts, held
+    registry.faults.add("down")  # now the package itself fails
+    response = await client.get(f"{BASE}/{ZIP}")
+    assert response.status == 502
+    spools: list[object] = []
+    for _ in range(100):
+        spools = list((proxy_config.cache.dir / "tmp").rglob("*.part"))
+        if not spools:
+            break
+        await asyncio.sleep(0.02)
+    assert spools == []
+
+
 async def test_opentofu_registry_may_publish_without_keys(
         make: Make, registry: FakeRegistry) -> None:
     client = await make(extra=f"""

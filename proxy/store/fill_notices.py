@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.core.errors import UpstreamError
-from proxy.core.executors import quick
+from proxy.core.executors import quick, quick_soon
+from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store.file_identity import identity_of
 from proxy.store.protocol import BlobInfo, BlobStore
@@ -70,6 +71,11 @@ class PostedNotice:
             log.debug("no fill notice for %s: %s", self._name, exc)
             return
         self._temp = str(spool.temp)
+
+    def withdraw_once(self, posting: asyncio.Future[None]) -> None:
+        """Withdraw it once posting (its post, under way in a thread) is done."""
+        posting.add_done_callback(retrieved)
+        posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
 
     def withdraw(self) -> None:
         """Remove the notice (blocking, and quick: also when the fill is cancelled), unless a

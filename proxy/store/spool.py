@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.core.errors import IntegrityError, UpstreamError
-from proxy.core.executors import quick, slow, slow_started
+from proxy.core.executors import quick, quick_soon, quick_started, slow, slow_started
 from proxy.core.spool import GrowingFile
-from proxy.store.disk_space import is_out_of_space
+from proxy.store.disk_space import DiskSpace, free_bytes, is_out_of_space
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.usage import mark_in_use
 
@@ -31,25 +31,54 @@ class StoredArchive:
     sha256: str
 
 
-async def new_spool(store: BlobStore, size: int | None,
-                    made: Callable[[GrowingFile[BlobInfo]], None] | None = None
-                    ) -> GrowingFile[BlobInfo]:
+async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]:
     """A fresh, empty spool that readers may follow while a fill writes it (their handles
     are marked in use, as a stored file's are); a reader that comes after it was published
     reads the published blob. A download of announced size that cannot fit is refused
     first (InsufficientStorage: a 507 before any headers), in the same thread hop as the
-    spool is made and `made` told of it (a cold package's first byte waits for each)."""
+    spool is made (SpoolStart makes it before the size is known)."""
     spool = spool_of(store, store.spool_path(), size)
 
     def make() -> None:
         if size is not None:
             store.disk.require_room("package", size)
         spool.temp.touch()
-        if made is not None:
-            made(spool)
 
     await quick(make)
     return spool
+
+
+class SpoolStart:
+    """A spool begun while upstream is asked for the download: its empty file is made and
+    the cache disk's free space read in a thread meanwhile, so that once the download's size
+    is known no thread hop stands before a cold package's first byte."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self._store = store
+        self._temp = store.spool_path()
+        self._made = quick_started(_make_spool_file, store.disk, self._temp)
+        self._taken = False
+
+    async def spool(self, size: int | None) -> GrowingFile[BlobInfo]:
+        """The spool for a download of size (None: unknown). One that cannot fit is refused
+        (InsufficientStorage: a 507 before any headers)."""
+        free = await asyncio.shield(self._made)
+        if size is not None and size > free:
+            raise self._store.disk.ran_out("package", size)
+        self._taken = True
+        return spool_of(self._store, self._temp, size)
+
+    def discard(self) -> None:
+        """Unless a spool was made of it (then its fill removes it), remove its file once
+        made (the download failed first, or could not fit)."""
+        if not self._taken:
+            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
+
+
+def _make_spool_file(disk: DiskSpace, temp: Path) -> int:
+    """Make the empty spool file; the free bytes of the cache disk (blocking)."""
+    temp.touch()
+    return free_bytes(disk.directory)
 
 
 def spool_of(store: BlobStore, temp: Path, size: int | None) -> GrowingFile[BlobInfo]:
@@ -77,11 +106,13 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     it through `progress`), check sha256 and that it is a zip, publish it at key, then await
     `published` (recording what vouches for the blob) before the readers get the end of it."""
     temp = progress.temp if progress is not None else store.spool_path()
+    on_disk = progress.advance if progress is not None else _ignore
     size = 0
     spool: _SpoolWriter | None = None
+    # Opened while the first chunk goes to the followers (a thread hop less before a cold
+    # package's first byte); the spool is written from the first batch on.
+    opening: asyncio.Future[int] | None = quick_started(os.open, temp, _WRITE_FLAGS, 0o666)
     try:
-        spool = _SpoolWriter(await quick(os.open, temp, _WRITE_FLAGS, 0o666),
-                             progress.advance if progress is not None else _ignore)
         batch: list[bytes] = []
         batched = 0
         batch_started = 0.0
@@ -92,6 +123,9 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
                     # The next chunks may be buffered already, and reading them does not
                     # give way: the followers send the first one now (a client's first byte).
                     await asyncio.sleep(0)
+            if spool is None:
+                spool = _SpoolWriter(await _opened(opening), on_disk)
+                opening = None
             size += len(chunk)
             if not batch:
                 batch_started = time.monotonic()
@@ -105,6 +139,9 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
                     batched >= _BATCH or time.monotonic() - batch_started >= _LINGER)):
                 await spool.write(batch)
                 batch, batched = [], 0
+        if spool is None:  # nothing came
+            spool = _SpoolWriter(await _opened(opening), on_disk)
+            opening = None
         await spool.write(batch)
         await spool.wait()
         # The bytes went to the disk during the download (see _FLUSH_EVERY): what is left to
@@ -129,6 +166,8 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
             await published(stored)
     except BaseException as exc:
         # Synchronous on purpose: this also runs when the fill is cancelled.
+        if opening is not None:
+            opening.add_done_callback(_close_opened)  # once open, closed: never leaked
         if spool is not None:
             spool.close()
             spool = None
@@ -256,6 +295,18 @@ class _SpoolWriter:
 
 def _ignore(_count: int) -> None:
     pass
+
+
+async def _opened(opening: asyncio.Future[int] | None) -> int:
+    """The spool's descriptor, once open (shielded: a cancelled fill must not leave it open
+    for nobody to close; the failure path closes it)."""
+    assert opening is not None
+    return await asyncio.shield(opening)
+
+
+def _close_opened(opening: asyncio.Future[int]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        os.close(opening.result())
 
 
 def _hash_and_write(digest: hashlib._Hash, fd: int, batch: list[bytes]) -> int:

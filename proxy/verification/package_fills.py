@@ -13,6 +13,7 @@ from dataclasses import replace
 from proxy.config import UpstreamConfig
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, key_id
 from proxy.core.errors import IntegrityError, NotFound
+from proxy.core.executors import quick_started
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
@@ -22,7 +23,7 @@ from proxy.store import layout
 from proxy.store.fill_notices import OtherFill, PostedNotice
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
-from proxy.store.spool import new_spool, store_package
+from proxy.store.spool import SpoolStart, store_package
 from proxy.upstream.documents import DownloadInfo, VersionEntry
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
@@ -127,17 +128,19 @@ class PackageFills:
                                                               document)
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
+            start: SpoolStart | None = None
             try:
                 log.info("fetching %s %s %s from %s", provider, version, platform.key,
                          mask_secrets(info.download_url))  # may be a presigned URL
+                start = SpoolStart(self._archives)  # while upstream is asked
                 async with self._packages.open_package(provider, info,
                                                        self._max_size) as download:
+                    spool = await start.spool(download.size)
+                    offer(spool)
                     # For this host's other processes to follow (proxy.store.fill_notices).
                     notice = PostedNotice.of(self._archives, fill_key(provider, version,
                                                                       platform))
-                    spool = await new_spool(self._archives, download.size,
-                                            None if notice is None else notice.post)
-                    offer(spool)
+                    posting = None if notice is None else quick_started(notice.post, spool)
                     try:
                         stored = await store_package(
                             self._archives, layout.provider_archive(provider, version, platform),
@@ -149,9 +152,11 @@ class PackageFills:
                         raise self._packages.integrity(exc.kind, f"{artifact}: {exc.message}",
                                                        artifact) from None
                     finally:
-                        if notice is not None:
-                            notice.withdraw()
+                        if notice is not None and posting is not None:
+                            notice.withdraw_once(posting)
             finally:
+                if start is not None:
+                    start.discard()
                 self._metrics.fills_in_flight.dec()
         self._audit.record(
             "fetched", Artifact.provider(provider, version, platform), cache="miss",
