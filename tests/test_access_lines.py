@@ -358,3 +358,20 @@ def test_a_clean_stop_writes_every_access_line(tmp_path: Path,
                if line.startswith("{")]
     numbers = {line["path"] for line in written if line["path"].startswith("/healthz?n=")}
     assert numbers == {f"/healthz?n={n}" for n in range(300)}
+
+
+def test_a_line_that_cannot_be_made_costs_that_line_only(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+    writer = BatchedLineWriter(fd)
+
+    def broken() -> str:
+        raise ValueError("cannot")
+
+    writer.add("before\n")
+    writer.add((broken,))
+    writer.add(("{}\n".format, "after"))
+    writer.close()
+    os.close(fd)
+    assert out.read_text() == "before\nafter\n"
+    assert writer.dropped == 1

@@ -103,7 +103,6 @@ async def test_fill_lease_outcomes_are_exported(
     assert sample(after, "tfproxy_fill_leases_total", outcome="taken_over") == 0
 
 
-
 async def _download_started(registry: FakeRegistry) -> None:
     for _ in range(1000):
         if UPSTREAM_ZIP in registry.paths():
@@ -155,5 +154,6 @@ async def test_a_fill_followed_from_another_process_that_fails_verification_is_c
     assert 0 < len(received) < len(whole)  # some bytes, never the whole (bad) body
     with pytest.raises(aiohttp.ClientPayloadError):  # the filler's own client: cut too
         await asyncio.wait_for(first, 30)
+    assert registry.paths().count(UPSTREAM_ZIP) == 1  # followed, not downloaded again
     registry.faults.clear()
     assert await fetch(replicas[1]) == (200, whole)  # nothing bad was stored

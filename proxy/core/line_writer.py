@@ -94,7 +94,10 @@ class BatchedLineWriter:
 
     def _hand_over(self) -> None:
         pending, self._pending = self._pending, []
-        batch = [line if isinstance(line, str) else line[0](*line[1:]) for line in pending]
+        try:
+            batch = [line if isinstance(line, str) else line[0](*line[1:]) for line in pending]
+        except Exception:  # a line that cannot be made costs that line only
+            batch = self._made_one_by_one(pending)
         size = sum(len(line) for line in batch)
         if self._handed_size - self._written_size + size > self._backlog_size:
             self._refused += len(batch)  # reported by the writer thread once it gets through
@@ -105,6 +108,16 @@ class BatchedLineWriter:
                                             daemon=True)
             self._thread.start()
         self._handed.put((batch, size))
+
+    def _made_one_by_one(self, pending: list[Line]) -> list[str]:
+        made: list[str] = []
+        for line in pending:
+            try:
+                made.append(line if isinstance(line, str) else line[0](*line[1:]))
+            except Exception:
+                log.debug("a log line could not be made", exc_info=True)
+                self._refused += 1  # dropped: reported by the writer thread
+        return made
 
     def _report_drops(self, final: bool = False) -> None:
         # On the writer thread only: the report may wait on the output as lines do.

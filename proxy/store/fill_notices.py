@@ -4,8 +4,12 @@ another process holds the fill lock finds the notice and sends them the bytes as
 the disk, instead of waiting for the publish. The last byte still waits: it goes out only
 once the store holds the artifact as the very file that was followed (same device, inode,
 size and mtime: a store whose publish keeps the spool's identity, as the disk backend's
-rename does). A fill that failed, or whose process died, ends its followers' downloads
-short: a client never receives a whole body that was not verified.
+rename does). A fill that failed, stalled, or whose process died, ends its followers'
+downloads short: a client never receives a whole body that was not verified.
+
+A notice names its process by pid and by the pid namespace and boot it lives in: processes
+of another container sharing the volume (often pid 1 each) can tell nothing of its life, so
+they neither follow nor sweep it; their clients wait for the publish, as before.
 
 Only stores that say where notices go (BlobStore.fill_notice) take part; other backends'
 waiters keep waiting for the publish."""
@@ -17,15 +21,18 @@ import errno
 import json
 import logging
 import os
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from proxy.core.errors import UpstreamError
 from proxy.core.executors import quick, quick_soon
 from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile
-from proxy.store.file_identity import identity_of
+from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import spool_of
 
@@ -37,6 +44,16 @@ POLL_SECONDS = 0.02
 _MOST_BYTES = 4096
 
 
+@cache
+def _namespace() -> str:
+    """This process's pid namespace and boot: where its pids mean something."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""  # no /proc: notices of others are never followed nor swept
+
+
 @dataclass(frozen=True)
 class Notice:
     """What a fill under way says about itself."""
@@ -44,12 +61,25 @@ class Notice:
     temp: str  # its spool
     size: int | None  # what upstream announced
     pid: int  # the process that runs it
+    namespace: str  # where that pid means something (see _namespace)
+
+    def alive(self) -> bool | None:
+        """Whether its process lives; None where this process cannot tell."""
+        if not self.namespace or self.namespace != _namespace():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError as exc:
+            return exc.errno == errno.EPERM  # there, but not ours to signal
+        return True
 
 
 class PostedNotice:
-    """A fill's own notice: posted once its spool exists (where the spool is made: no thread
-    hop of its own before the first byte), withdrawn when the fill ended (published or
-    failed)."""
+    """A fill's own notice: posted once its spool exists, withdrawn when the fill ended
+    (published or failed), both while the fill holds its lock (a later fill's notice is
+    never touched)."""
 
     def __init__(self, path: Path, name: str) -> None:
         self._path = path
@@ -64,7 +94,8 @@ class PostedNotice:
 
     def post(self, spool: GrowingFile[BlobInfo]) -> None:
         """Post it for spool (blocking; if it cannot be written, nobody follows the fill)."""
-        body = json.dumps({"temp": str(spool.temp), "size": spool.size, "pid": os.getpid()})
+        body = json.dumps({"temp": str(spool.temp), "size": spool.size, "pid": os.getpid(),
+                           "namespace": _namespace()})
         try:
             _replace_with(self._path, body.encode())
         except OSError as exc:
@@ -73,13 +104,18 @@ class PostedNotice:
         self._temp = str(spool.temp)
 
     def withdraw_once(self, posting: asyncio.Future[None]) -> None:
-        """Withdraw it once posting (its post, under way in a thread) is done."""
+        """Withdraw it once posting (its post, under way in a thread) is done: a fill that
+        ended before its notice was posted (synchronously if the threads are gone)."""
+        def withdraw(_posted: asyncio.Future[None]) -> None:
+            try:
+                quick_soon(self.withdraw)
+            except RuntimeError:  # shutting down: no thread to hand it to
+                self.withdraw()
         posting.add_done_callback(retrieved)
-        posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
+        posting.add_done_callback(withdraw)
 
     def withdraw(self) -> None:
-        """Remove the notice (blocking, and quick: also when the fill is cancelled), unless a
-        later fill's replaced it."""
+        """Remove the notice (blocking, and quick: also when the fill is cancelled)."""
         if self._temp is None:
             return
         try:
@@ -92,10 +128,14 @@ class PostedNotice:
 
 def _replace_with(path: Path, body: bytes) -> None:
     """path holds body, whole, for every reader (written aside, then renamed)."""
-    aside = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(aside, "wb") as handle:
-        handle.write(body)
-    os.replace(aside, path)
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        with open(aside, "wb") as handle:
+            handle.write(body)
+        os.replace(aside, path)
+    except BaseException:
+        aside.unlink(missing_ok=True)
+        raise
 
 
 def read_notice(path: Path) -> Notice | None:
@@ -104,33 +144,27 @@ def read_notice(path: Path) -> Notice | None:
         with open(path, "rb") as handle:
             raw = json.loads(handle.read(_MOST_BYTES))
         temp, size, pid = raw["temp"], raw["size"], raw["pid"]
-    except FileNotFoundError:
+        namespace = raw.get("namespace", "")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    except (OSError, ValueError, KeyError, TypeError):
+    if (not isinstance(temp, str) or "\0" in temp or not isinstance(namespace, str)
+            or type(pid) is not int or not 0 < pid < 1 << 31
+            or not (size is None or (type(size) is int and size >= 0))):
         return None
-    if (not isinstance(temp, str) or not isinstance(pid, int)
-            or not (size is None or isinstance(size, int))):
-        return None
-    return Notice(temp, size, pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError as exc:
-        return exc.errno == errno.EPERM  # there, but not ours to signal
-    return True
+    return Notice(temp, size, pid, namespace)
 
 
 def remove_dead_notices(directory: Path) -> int:
-    """Remove the notices of processes that are gone (a start's sweep); how many went."""
+    """Remove the notices of processes that are gone, and those that are not notices (a
+    start's sweep); how many went. Those of processes this one cannot see stay."""
     removed = 0
     for path in directory.glob("*.fill"):
         found = read_notice(path)
-        if found is None or not _alive(found.pid):
-            path.unlink(missing_ok=True)
+        if found is None or found.alive() is False:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue
             removed += 1
     return removed
 
@@ -151,50 +185,45 @@ class OtherFill:
         path = store.fill_notice(name)
         if path is None:
             return None
-        return await quick(cls._open, store, path, name)
-
-    @classmethod
-    def _open(cls, store: BlobStore, path: Path, name: str) -> OtherFill | None:
-        notice = read_notice(path)
-        if notice is None or not _alive(notice.pid):
+        found = await quick(_open_spool, path, name)
+        if found is None:
             return None
-        temp = Path(notice.temp)
-        try:
-            # A notice names a spool of this store (in the temp area its notices sit in),
-            # nothing else.
-            if path.parent.parent.resolve() not in temp.resolve().parents:
-                log.warning("ignored the fill notice of %s: %s is not a spool", name, temp)
-                return None
-            fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return None  # it ended meanwhile (or the path cannot be resolved)
+        notice, fd = found
         return cls(store, path, notice, fd)
 
-    def _under_way(self) -> bool:
-        """Whether the notice still names this fill, and its process lives (blocking)."""
+    def _look(self) -> tuple[int, FileIdentity, bool]:
+        """The spool's size and identity, and whether the notice still names this fill and
+        its process lives (blocking)."""
+        identity = identity_of(os.fstat(self._fd))
         found = read_notice(self._path)
-        return found == self._notice and _alive(self._notice.pid)
+        return identity.size, identity, found == self._notice and found.alive() is True
 
-    async def follow(self, published: Callable[[], Awaitable[BlobInfo | None]]) -> BlobInfo:
+    async def follow(self, published: Callable[[], Awaitable[BlobInfo | None]],
+                     stall_seconds: float) -> BlobInfo:
         """Tell the spool's readers of each byte that reaches the disk until the fill ends;
         the published blob if it is the file followed (then they get the last byte), else
-        they are told the download failed (UpstreamError)."""
+        they are told the download failed (UpstreamError). A spool that does not grow for
+        stall_seconds fails them too (its fill would have failed by then)."""
         spool = self.spool
+        grew = time.monotonic()
         try:
             while True:
-                size = os.fstat(self._fd).st_size  # of an open file: never waits on the disk
+                size, identity, under_way = await quick(self._look)
                 if size > spool.written:
                     spool.advance(size - spool.written)
-                under_way = await quick(self._under_way)
+                    grew = time.monotonic()
                 if not under_way or (spool.size is not None and size >= spool.size):
                     final = await published()
-                    if final is not None and final.identity == identity_of(os.fstat(self._fd)):
+                    if final is not None and final.identity == identity:
                         spool.advance(final.size - spool.written)
                         spool.complete(final)
                         return final
                     if not under_way:
                         raise UpstreamError("the download in another worker process did not "
                                             "complete; try again")
+                if time.monotonic() - grew > stall_seconds:
+                    raise UpstreamError("the download in another worker process stalled; "
+                                        "try again")
                 await asyncio.sleep(POLL_SECONDS)
         except BaseException as exc:
             if not spool.done:
@@ -209,3 +238,21 @@ class OtherFill:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _open_spool(path: Path, name: str) -> tuple[Notice, int] | None:
+    """The notice at path and its spool, open, if its process lives (blocking)."""
+    notice = read_notice(path)
+    if notice is None or notice.alive() is not True:
+        return None
+    temp = Path(notice.temp)
+    try:
+        # A notice names a spool of this store (in the temp area its notices sit in),
+        # nothing else; instances that mount the volume elsewhere do not follow.
+        if path.parent.parent.resolve() not in temp.resolve().parents:
+            log.debug("not following the fill notice of %s: %s is not a spool here", name,
+                      temp)
+            return None
+        return notice, os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None  # it ended meanwhile (or the path cannot be resolved)

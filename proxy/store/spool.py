@@ -17,6 +17,7 @@ from typing import Any
 
 from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, quick_soon, quick_started, slow, slow_started
+from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store.disk_space import DiskSpace, free_bytes, is_out_of_space
 from proxy.store.protocol import BlobInfo, BlobStore
@@ -72,7 +73,14 @@ class SpoolStart:
         """Unless a spool was made of it (then its fill removes it), remove its file once
         made (the download failed first, or could not fit)."""
         if not self._taken:
-            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
+            self._made.add_done_callback(retrieved)
+            self._made.add_done_callback(self._remove)
+
+    def _remove(self, _made: asyncio.Future[int]) -> None:
+        try:
+            quick_soon(self._temp.unlink, True)
+        except RuntimeError:  # shutting down: no thread to hand it to
+            self._temp.unlink(missing_ok=True)
 
 
 def _make_spool_file(disk: DiskSpace, temp: Path) -> int:
@@ -110,8 +118,10 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     size = 0
     spool: _SpoolWriter | None = None
     # Opened while the first chunk goes to the followers (a thread hop less before a cold
-    # package's first byte); the spool is written from the first batch on.
-    opening: asyncio.Future[int] | None = quick_started(os.open, temp, _WRITE_FLAGS, 0o666)
+    # package's first byte); the spool is written from the first batch on. A spool made
+    # already is not made again (a failure that removed it first leaves no file behind).
+    flags = _WRITE_FLAGS if progress is None else _WRITE_FLAGS & ~os.O_CREAT
+    opening: asyncio.Future[int] | None = quick_started(os.open, temp, flags, 0o666)
     try:
         batch: list[bytes] = []
         batched = 0

@@ -25,6 +25,7 @@ from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import SpoolStart, store_package
 from proxy.upstream.documents import DownloadInfo, VersionEntry
+from proxy.upstream.http import DOWNLOAD_STALL_SECONDS
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 
@@ -99,7 +100,7 @@ class PackageFills:
                 followed)
             if other is not None and found is other.spool:
                 offer(other.spool)
-                return await other.follow(published)
+                return await other.follow(published, 2 * DOWNLOAD_STALL_SECONDS)
             return found
         finally:
             if ahead is not None:
@@ -147,13 +148,18 @@ class PackageFills:
                             download.chunks, package.shasum, spool,
                             lambda stored: self._stored.vouch(provider, version, platform,
                                                               package, stored))
+                        if posting is not None:  # withdrawn below, under the lock
+                            await asyncio.shield(posting)
                     except IntegrityError as exc:
                         artifact = f"{provider} {version} {platform.key}"
                         raise self._packages.integrity(exc.kind, f"{artifact}: {exc.message}",
                                                        artifact) from None
                     finally:
                         if notice is not None and posting is not None:
-                            notice.withdraw_once(posting)
+                            if posting.done():
+                                notice.withdraw()
+                            else:  # failed before its notice was even posted
+                                notice.withdraw_once(posting)
             finally:
                 if start is not None:
                     start.discard()
