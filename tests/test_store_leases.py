@@ -11,6 +11,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,8 +110,11 @@ async def test_a_fill_lock_waiter_stops_waiting_once_the_artifact_is_ready(
 async def test_a_renewed_lease_is_never_taken_over(store: OpenedStore) -> None:
     outcomes: Counter[str] = Counter()
     order: list[str] = []
+    # Renewed every half second: a real S3 server on a loaded two-core CI machine once took
+    # two renewals of a 0.6 s lease (0.2 s apart) past its expiry.
+    steady = replace(FAST, seconds=1.5)
     async with replicas(store, 3) as views:
-        leases = [FillLeases(view.index, FAST, counting(outcomes)) for view in views]
+        leases = [FillLeases(view.index, steady, counting(outcomes)) for view in views]
 
         async def hold(n: int, seconds: float) -> None:
             async with leases[n].lock(NAME, "package") as held:
@@ -119,7 +123,7 @@ async def test_a_renewed_lease_is_never_taken_over(store: OpenedStore) -> None:
                 await asyncio.sleep(seconds)
                 order.append(f"{n} out")
 
-        first = asyncio.ensure_future(hold(0, 4 * FAST.seconds))  # slow, but alive
+        first = asyncio.ensure_future(hold(0, 3 * steady.seconds))  # slow, but alive
         await until(lambda: bool(order))
         await asyncio.gather(hold(1, 0), hold(2, 0), first)
     assert order[:2] == ["0 in", "0 out"]
