@@ -24,7 +24,7 @@ from proxy.core.errors import IntegrityError
 from proxy.store.archives import ArchiveStore, FillLock
 from proxy.store.disk import DiskBlobStore
 from proxy.store.file_identity import identity_of
-from proxy.store.spool import new_spool, store_package
+from proxy.store.spool import SpoolStart, store_package
 from proxy.store.usage import UsageLedger
 from proxy.verification.hashes import h1_of_zip
 from proxy.verification.stored_hashes import (
@@ -309,7 +309,7 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
     store = ArchiveStore(tmp_path)
     blobs = DiskBlobStore(store)
     data = ZIP
-    growing = await new_spool(blobs, len(data))
+    growing = await SpoolStart(blobs).spool(len(data))
     gate = asyncio.Event()
 
     async def slow_chunks() -> AsyncIterator[bytes]:
@@ -328,7 +328,7 @@ async def test_growing_file_readers_follow_and_learn_the_outcome(tmp_path: Path)
     await fill
     assert growing.final is not None and blobs.path_of(growing.final.key).read_bytes() == data
 
-    bad = await new_spool(blobs, len(data))
+    bad = await SpoolStart(blobs).spool(len(data))
     failing = asyncio.create_task(store_package(blobs, KEY, chunks(data), "0" * 64, bad))
     with pytest.raises(IntegrityError):
         async for _chunk in bad.chunks():
@@ -452,7 +452,7 @@ async def test_short_writes_are_completed_not_skipped(
 
     monkeypatch.setattr(os, "write", write)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    growing = await new_spool(blobs, len(ZIP))
+    growing = await SpoolStart(blobs).spool(len(ZIP))
     fill = asyncio.create_task(store_package(blobs, KEY, chunks(ZIP),
                                              hashlib.sha256(ZIP).hexdigest(), growing))
     followed = b"".join([chunk async for chunk in growing.chunks()])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from proxy.core.executors import quick, serving, slow
+from proxy.core.executors import quick, quick_soon, serving, slow
 from tests.support.held_work import HeldCalls
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -51,3 +51,12 @@ async def test_apps_on_one_loop_share_the_pools_until_the_last_one_stops() -> No
     thread, _ = await quick(thread_and_context)
     assert thread != threading.current_thread().name
     assert not thread.startswith("proxy-")
+
+
+async def test_cleanup_handed_over_after_the_pools_shut_down_runs_at_once() -> None:
+    """A close or an unlink handed to quick_soon during a shutdown is not lost."""
+    done: list[int] = []
+    async with serving() as pools:
+        pools.shutdown()
+        quick_soon(done.append, 1)
+    assert done == [1]

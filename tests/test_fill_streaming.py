@@ -25,7 +25,7 @@ from proxy.core.spool import WINDOW, GrowingFile
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobInfo
-from proxy.store.spool import new_spool, store_package
+from proxy.store.spool import SpoolStart, store_package
 from tests.support.held_work import HeldCalls
 
 KEY = "archives/registry.terraform.io/hashicorp/x/1.0.0/p.zip"
@@ -58,7 +58,7 @@ async def test_followers_get_bytes_before_they_reach_the_disk(
     held = HeldCalls(os.write, holds=lambda fd, _data: spool_fd(fd))
     monkeypatch.setattr(os, "write", held)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     fill = asyncio.create_task(store_package(blobs, KEY, pieces(data),
                                              hashlib.sha256(data).hexdigest(), spool))
     chunks = spool.chunks()
@@ -91,7 +91,7 @@ async def test_a_follower_gets_the_first_chunk_before_the_fill_reads_on(
             yield data[offset:offset + (16 << 10)]
 
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     chunks = spool.chunks()
 
     async def follow() -> tuple[bytes, int]:
@@ -193,7 +193,7 @@ async def test_a_stalled_follower_does_not_make_the_fill_hold_the_download(
         tmp_path: Path) -> None:
     data = package(64 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     chunks = spool.chunks()
     tracemalloc.start()
     try:
@@ -266,7 +266,7 @@ async def test_a_follower_keeps_the_spool_from_eviction(tmp_path: Path) -> None:
     # published, is that file, and a follower may still need to read it.
     data = package(1 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     chunks = spool.chunks()
     spool.arrived(data[:1000])
     assert bytes(await chunks.__anext__()) == data[:999]  # from memory
@@ -300,7 +300,7 @@ async def test_a_slow_downloads_bytes_reach_the_spool_file_while_it_runs(
     # batch (1 MiB) has come.
     data = package(4096)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     gate = asyncio.Event()
 
     async def trickle() -> AsyncIterator[bytes]:
@@ -358,7 +358,7 @@ async def test_a_flush_that_fails_fails_the_fill(tmp_path: Path,
     data = package(40 << 20)
     store = ArchiveStore(tmp_path)
     blobs = DiskBlobStore(store)
-    spool = await new_spool(blobs, len(data))
+    spool = await SpoolStart(blobs).spool(len(data))
     with pytest.raises(OSError, match="Input/output error"):
         await store_package(blobs, KEY, pieces(data, 1 << 20),
                             hashlib.sha256(data).hexdigest(), spool)

@@ -156,8 +156,12 @@ def quick_started(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyn
 
 def quick_soon(fn: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
     """Start a short blocking call off the event loop without waiting for it; fn handles its
-    own errors."""
-    _submit("quick", fn, *args, **kwargs)
+    own errors. Once the pools are shut down (or off a loop), it runs now: what is handed
+    here is cleanup (a close, an unlink) that must not be lost at shutdown."""
+    try:
+        _submit("quick", fn, *args, **kwargs)
+    except RuntimeError:
+        fn(*args, **kwargs)
 
 
 async def slow(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

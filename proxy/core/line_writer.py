@@ -95,7 +95,7 @@ class BatchedLineWriter:
     def _hand_over(self) -> None:
         pending, self._pending = self._pending, []
         try:
-            batch = [line if isinstance(line, str) else line[0](*line[1:]) for line in pending]
+            batch = [_made(line) for line in pending]
         except Exception:  # a line that cannot be made costs that line only
             batch = self._made_one_by_one(pending)
         size = sum(len(line) for line in batch)
@@ -113,7 +113,7 @@ class BatchedLineWriter:
         made: list[str] = []
         for line in pending:
             try:
-                made.append(line if isinstance(line, str) else line[0](*line[1:]))
+                made.append(_made(line))
             except Exception:
                 log.debug("a log line could not be made", exc_info=True)
                 self._refused += 1  # dropped: reported by the writer thread
@@ -195,6 +195,10 @@ class BatchedLineWriter:
                     continue
                 self._lost += lines
                 return
+
+
+def _made(line: Line) -> str:
+    return line if isinstance(line, str) else line[0](*line[1:])
 
 
 def _regular_file(fd: int) -> bool:

@@ -164,7 +164,7 @@ class GrowingFile(Generic[F]):
                     return
                 await changed.wait()
         finally:
-            opening.add_done_callback(_close_opened)
+            opening.add_done_callback(close_when_opened)
 
     def _open(self) -> int:
         """The spool, open for reading and marked in use (blocking): on disk it is the same
@@ -187,7 +187,7 @@ class GrowingFile(Generic[F]):
             offset = 0
 
 
-def _close_opened(opening: asyncio.Future[int]) -> None:
+def close_when_opened(opening: asyncio.Future[int]) -> None:
     """Close what a reader opened (off the loop), once it is open."""
     if not opening.cancelled() and opening.exception() is None:
         quick_soon(os.close, opening.result())

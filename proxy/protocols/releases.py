@@ -42,7 +42,7 @@ from proxy.store.file_identity import FileIdentity, identity_from_record, identi
 from proxy.store.freshness import RefreshingDocuments
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore, MetadataIndex
-from proxy.store.spool import StoredArchive, new_spool, store_package
+from proxy.store.spool import SpoolStart, StoredArchive, store_package
 from proxy.upstream.releases import Listing, ReleasesClient
 from proxy.verification.integrity import reported
 from proxy.verification.releases import (
@@ -372,11 +372,13 @@ class CliReleases:
 
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
+            start: SpoolStart | None = None
             try:
                 url = self._client.file_url(product, version, filename)
                 log.info("fetching %s from %s", filename, mask_secrets(url))
+                start = SpoolStart(self._archives)  # while upstream is asked
                 async with self._client.open(product, version, filename) as download:
-                    spool = await new_spool(self._archives, download.size)
+                    spool = await start.spool(download.size)
                     offer(spool)
                     try:
                         stored = await store_package(
@@ -386,6 +388,8 @@ class CliReleases:
                         raise self._integrity(exc, f"{product.name} {version} {filename}") \
                             from None
             finally:
+                if start is not None:
+                    start.discard()
                 self._metrics.fills_in_flight.dec()
         self._audit.record("fetched", artifact, cache="miss", bytes=stored.info.size,
                            sha256=expected, upstream_url=mask_secrets(url))

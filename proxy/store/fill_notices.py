@@ -105,14 +105,9 @@ class PostedNotice:
 
     def withdraw_once(self, posting: asyncio.Future[None]) -> None:
         """Withdraw it once posting (its post, under way in a thread) is done: a fill that
-        ended before its notice was posted (synchronously if the threads are gone)."""
-        def withdraw(_posted: asyncio.Future[None]) -> None:
-            try:
-                quick_soon(self.withdraw)
-            except RuntimeError:  # shutting down: no thread to hand it to
-                self.withdraw()
+        ended before its notice was posted."""
         posting.add_done_callback(retrieved)
-        posting.add_done_callback(withdraw)
+        posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
 
     def withdraw(self) -> None:
         """Remove the notice (blocking, and quick: also when the fill is cancelled)."""

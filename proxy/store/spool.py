@@ -18,7 +18,7 @@ from typing import Any
 from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, quick_soon, quick_started, slow, slow_started
 from proxy.core.singleflight import retrieved
-from proxy.core.spool import GrowingFile
+from proxy.core.spool import GrowingFile, close_when_opened
 from proxy.store.disk_space import DiskSpace, free_bytes, is_out_of_space
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.usage import mark_in_use
@@ -30,23 +30,6 @@ class StoredArchive:
 
     info: BlobInfo  # its identity as published: what a later hit compares against
     sha256: str
-
-
-async def new_spool(store: BlobStore, size: int | None) -> GrowingFile[BlobInfo]:
-    """A fresh, empty spool that readers may follow while a fill writes it (their handles
-    are marked in use, as a stored file's are); a reader that comes after it was published
-    reads the published blob. A download of announced size that cannot fit is refused
-    first (InsufficientStorage: a 507 before any headers), in the same thread hop as the
-    spool is made (SpoolStart makes it before the size is known)."""
-    spool = spool_of(store, store.spool_path(), size)
-
-    def make() -> None:
-        if size is not None:
-            store.disk.require_room("package", size)
-        spool.temp.touch()
-
-    await quick(make)
-    return spool
 
 
 class SpoolStart:
@@ -74,13 +57,7 @@ class SpoolStart:
         made (the download failed first, or could not fit)."""
         if not self._taken:
             self._made.add_done_callback(retrieved)
-            self._made.add_done_callback(self._remove)
-
-    def _remove(self, _made: asyncio.Future[int]) -> None:
-        try:
-            quick_soon(self._temp.unlink, True)
-        except RuntimeError:  # shutting down: no thread to hand it to
-            self._temp.unlink(missing_ok=True)
+            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
 
 
 def _make_spool_file(disk: DiskSpace, temp: Path) -> int:
@@ -177,7 +154,7 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     except BaseException as exc:
         # Synchronous on purpose: this also runs when the fill is cancelled.
         if opening is not None:
-            opening.add_done_callback(_close_opened)  # once open, closed: never leaked
+            opening.add_done_callback(close_when_opened)  # once open, closed: never leaked
         if spool is not None:
             spool.close()
             spool = None
@@ -312,11 +289,6 @@ async def _opened(opening: asyncio.Future[int] | None) -> int:
     for nobody to close; the failure path closes it)."""
     assert opening is not None
     return await asyncio.shield(opening)
-
-
-def _close_opened(opening: asyncio.Future[int]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        os.close(opening.result())
 
 
 def _hash_and_write(digest: hashlib._Hash, fd: int, batch: list[bytes]) -> int:
