@@ -80,6 +80,20 @@ def download(ca: Path, url: str) -> Download:
     return _parse(url, result.stdout)
 
 
+def download_after(ca: Path, first: str, url: str) -> Download:
+    """Download first, then url on the same connection (one curl, as Terraform's client
+    keeps its connection); the second download's figures (its time to first byte counts
+    from its own request: no connection or handshake)."""
+    result = subprocess.run(["curl", "-s", "--cacert", str(ca), "-w", _CURL_OUT + "\\n",
+                             "-o", "/dev/null", first, "-o", "/dev/null", url],
+                            capture_output=True, text=True, check=True)
+    answers = result.stdout.splitlines()
+    if len(answers) != 2:
+        raise RuntimeError(f"curl said nothing readable on {first} then {url}: {result.stdout}")
+    _parse(first, answers[0])
+    return _parse(url, answers[1])
+
+
 def fetch(ca: Path, url: str) -> bytes:
     """url's body (curl, trusting ca); anything but 200 raises."""
     result = subprocess.run(["curl", "-s", "--cacert", str(ca), "-w", "\n%{http_code}", url],

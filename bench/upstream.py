@@ -76,6 +76,12 @@ class Package:
     def archive(self, platform: str = "linux_amd64") -> str:
         return self.mirror(self.zip_name(platform))
 
+    def upstream_document(self, platform: str = "linux_amd64") -> str:
+        """The package's download document on the fake registry (providers.v1)."""
+        system, arch = platform.split("_")
+        return (f"/v1/providers/{self.namespace}/{self.type}/{self.version}/download/"
+                f"{system}/{arch}")
+
     def upstream_archive(self, platform: str = "linux_amd64") -> str:
         """The zip's path on the fake registry (a direct download)."""
         return f"/files/{self.namespace}/{self.type}/{self.version}/{self.zip_name(platform)}"
