@@ -179,3 +179,25 @@ async def test_withdrawing_a_notice_leaves_a_later_fills_notice_alone(tmp_path: 
     assert path is not None
     found = read_notice(path)
     assert found is not None and found.temp == str(later.temp)
+
+
+async def test_a_post_that_runs_after_its_fill_ended_leaves_a_later_fills_notice_alone(
+        tmp_path: Path) -> None:
+    # The post runs on a thread; a fill that failed before it ran has released its lock,
+    # and the next fill of the package may have posted its own notice meanwhile.
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
+    spool.temp.write_bytes(b"abc")
+    notice = PostedNotice.of(blobs, NAME)
+    assert notice is not None
+    posting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    notice.withdraw_once(posting)  # the fill ended, its post not run yet
+    later, _later_notice = _posted(blobs)  # the next fill took the lock and posted
+    notice.post(spool)  # the late post
+    posting.set_result(None)
+    await asyncio.sleep(0.1)  # its withdrawal ran
+    path = blobs.fill_notice(NAME)
+    assert path is not None
+    found = read_notice(path)
+    assert found is not None and found.temp == str(later.temp)
+    assert not list(path.parent.glob(f".{path.name}.*"))  # nothing left aside

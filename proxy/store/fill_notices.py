@@ -85,6 +85,7 @@ class PostedNotice:
         self._path = path
         self._name = name
         self._temp: str | None = None  # once posted
+        self._ended = False  # its fill ended before the notice was posted: never posted
 
     @classmethod
     def of(cls, store: BlobStore, name: str) -> PostedNotice | None:
@@ -93,19 +94,25 @@ class PostedNotice:
         return None if path is None else cls(path, name)
 
     def post(self, spool: GrowingFile[BlobInfo]) -> None:
-        """Post it for spool (blocking; if it cannot be written, nobody follows the fill)."""
+        """Post it for spool (blocking; if it cannot be written, nobody follows the fill).
+        Not once its fill ended (withdraw_once): the lock is released then, and a late post
+        would replace the notice of the fill that took it since."""
         body = json.dumps({"temp": str(spool.temp), "size": spool.size, "pid": os.getpid(),
                            "namespace": _namespace()})
         try:
-            _replace_with(self._path, body.encode())
+            posted = _replace_with(self._path, body.encode(), lambda: not self._ended)
         except OSError as exc:
             log.debug("no fill notice for %s: %s", self._name, exc)
             return
-        self._temp = str(spool.temp)
+        if posted:
+            self._temp = str(spool.temp)
 
     def withdraw_once(self, posting: asyncio.Future[None]) -> None:
         """Withdraw it once posting (its post, under way in a thread) is done: a fill that
-        ended before its notice was posted."""
+        ended before its notice was posted. A post still under way posts nothing, unless
+        it is already between its last look and its rename (microseconds): that notice is
+        withdrawn as before."""
+        self._ended = True
         posting.add_done_callback(retrieved)
         posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
 
@@ -121,16 +128,21 @@ class PostedNotice:
             pass
 
 
-def _replace_with(path: Path, body: bytes) -> None:
-    """path holds body, whole, for every reader (written aside, then renamed)."""
+def _replace_with(path: Path, body: bytes, wanted: Callable[[], bool]) -> bool:
+    """path holds body, whole, for every reader (written aside, then renamed), unless it is
+    no longer wanted once written aside; whether it was put there."""
     aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
         with open(aside, "wb") as handle:
             handle.write(body)
+        if not wanted():
+            aside.unlink()
+            return False
         os.replace(aside, path)
     except BaseException:
         aside.unlink(missing_ok=True)
         raise
+    return True
 
 
 def read_notice(path: Path) -> Notice | None:
