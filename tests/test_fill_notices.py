@@ -16,11 +16,13 @@ import pytest
 
 from proxy.core.errors import UpstreamError
 from proxy.core.spool import GrowingFile
+from proxy.store import fill_notices
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk import DiskBlobStore
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.fill_notices import OtherFill, PostedNotice, read_notice
 from proxy.store.protocol import BlobInfo
+from tests.support.held_work import HeldCalls
 
 NAME = "registry.terraform.io/hashicorp/null/3.2.1/linux_amd64"
 BODY = b"0123456789"
@@ -182,7 +184,7 @@ async def test_withdrawing_a_notice_leaves_a_later_fills_notice_alone(tmp_path: 
 
 
 async def test_a_post_that_runs_after_its_fill_ended_leaves_a_later_fills_notice_alone(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The post runs on a thread; a fill that failed before it ran has released its lock,
     # and the next fill of the package may have posted its own notice meanwhile.
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
@@ -190,14 +192,35 @@ async def test_a_post_that_runs_after_its_fill_ended_leaves_a_later_fills_notice
     spool.temp.write_bytes(b"abc")
     notice = PostedNotice.of(blobs, NAME)
     assert notice is not None
-    posting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    notice.withdraw_once(posting)  # the fill ended, its post not run yet
+    late = HeldCalls(fill_notices._replace_with,
+                     holds=lambda path, body, wanted: str(spool.temp).encode() in body)
+    monkeypatch.setattr(fill_notices, "_replace_with", late)
+    notice.begin(spool)
+    await late.settled(1, quiet=0.05)  # its post under way, held
+    notice.end()  # the fill ended first
     later, _later_notice = _posted(blobs)  # the next fill took the lock and posted
-    notice.post(spool)  # the late post
-    posting.set_result(None)
-    await asyncio.sleep(0.1)  # its withdrawal ran
+    late.release()
+    await notice.posted()
+    await asyncio.sleep(0.1)  # a withdrawal, had it been posted
     path = blobs.fill_notice(NAME)
     assert path is not None
     found = read_notice(path)
     assert found is not None and found.temp == str(later.temp)
     assert not list(path.parent.glob(f".{path.name}.*"))  # nothing left aside
+
+
+async def test_a_fill_that_ends_once_its_notice_is_posted_withdraws_it_at_once(
+        tmp_path: Path) -> None:
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
+    spool.temp.write_bytes(b"abc")
+    notice = PostedNotice.of(blobs, NAME)
+    assert notice is not None
+    notice.begin(spool)
+    await notice.posted()
+    other = await OtherFill.find(blobs, NAME)
+    assert other is not None
+    other.close()
+    notice.end()  # under the lock: gone before it returns
+    path = blobs.fill_notice(NAME)
+    assert path is not None and not path.exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -11,6 +12,8 @@ from aiohttp.test_utils import TestClient
 
 import proxy.store.freshness
 from proxy.config import Config
+from proxy.store import spool as store_spool
+from proxy.store.disk_space import DiskSpace
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample, total
 from tests.support.mirror_paths import BASE, ZIP
@@ -129,21 +132,30 @@ async def test_package_over_the_size_limit_is_refused(make: Make, registry: Fake
 
 
 async def test_a_package_upstream_refuses_leaves_no_spool_behind(
-        make: Make, registry: FakeRegistry, proxy_config: Config) -> None:
+        make: Make, registry: FakeRegistry, proxy_config: Config,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The spool is made while upstream is asked for the package: its answer refused, the
     spool goes too."""
+    made: list[Path] = []
+    make_spool_file = store_spool._make_spool_file
+
+    def recorded(disk: DiskSpace, temp: Path) -> int:
+        free = make_spool_file(disk, temp)
+        made.append(temp)
+        return free
+
+    monkeypatch.setattr(store_spool, "_make_spool_file", recorded)
     client = await make()
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # its facts, held
     registry.faults.add("down")  # now the package itself fails
     response = await client.get(f"{BASE}/{ZIP}")
     assert response.status == 502
-    spools: list[object] = []
     for _ in range(100):
-        spools = list((proxy_config.cache.dir / "tmp").rglob("*.part"))
-        if not spools:
+        if made and not made[0].exists():
             break
         await asyncio.sleep(0.02)
-    assert spools == []
+    assert len(made) == 1 and not made[0].exists()  # made while upstream was asked, gone
+    assert not list((proxy_config.cache.dir / "tmp").rglob("*.part"))
 
 
 async def test_opentofu_registry_may_publish_without_keys(

@@ -372,12 +372,11 @@ class CliReleases:
 
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
-            start: SpoolStart | None = None
             try:
                 url = self._client.file_url(product, version, filename)
                 log.info("fetching %s from %s", filename, mask_secrets(url))
-                start = SpoolStart(self._archives)  # while upstream is asked
-                async with self._client.open(product, version, filename) as download:
+                async with SpoolStart(self._archives) as start, \
+                        self._client.open(product, version, filename) as download:
                     spool = await start.spool(download.size)
                     offer(spool)
                     try:
@@ -388,8 +387,6 @@ class CliReleases:
                         raise self._integrity(exc, f"{product.name} {version} {filename}") \
                             from None
             finally:
-                if start is not None:
-                    start.discard()
                 self._metrics.fills_in_flight.dec()
         self._audit.record("fetched", artifact, cache="miss", bytes=stored.info.size,
                            sha256=expected, upstream_url=mask_secrets(url))

@@ -100,10 +100,10 @@ class DiskSpace:
         return InsufficientStorage("the proxy's cache disk is full: this cannot be fetched "
                                    "and stored now; what the cache holds is still served")
 
-    def require_room(self, kind: str, size: int) -> None:
-        """Refuse, before anything is written, a file of `size` bytes that cannot fit
-        (blocking: a statvfs)."""
-        if size > free_bytes(self.directory):
+    def require_room(self, kind: str, size: int, free: int) -> None:
+        """Refuse, before anything is written, a file of `size` bytes that cannot fit in the
+        `free` bytes the caller read (free_bytes, off the loop)."""
+        if size > free:
             raise self.ran_out(kind, size)
 
     def problem(self) -> str | None:

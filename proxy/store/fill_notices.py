@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 
 from proxy.core.errors import UpstreamError
-from proxy.core.executors import quick, quick_soon
+from proxy.core.executors import quick, quick_soon, quick_started
 from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store.file_identity import FileIdentity, identity_of
@@ -77,14 +77,15 @@ class Notice:
 
 
 class PostedNotice:
-    """A fill's own notice: posted once its spool exists, withdrawn when the fill ended
-    (published or failed), both while the fill holds its lock (a later fill's notice is
-    never touched)."""
+    """A fill's own notice: posted (on a thread) once its spool exists, withdrawn when the
+    fill ended (published or failed), both while the fill holds its lock (a later fill's
+    notice is never touched)."""
 
     def __init__(self, path: Path, name: str) -> None:
         self._path = path
         self._name = name
         self._temp: str | None = None  # once posted
+        self._posting: asyncio.Future[None] | None = None
         self._ended = False  # its fill ended before the notice was posted: never posted
 
     @classmethod
@@ -93,10 +94,32 @@ class PostedNotice:
         path = store.fill_notice(name)
         return None if path is None else cls(path, name)
 
+    def begin(self, spool: GrowingFile[BlobInfo]) -> None:
+        """Post it for spool on a thread, while the download goes on."""
+        self._posting = quick_started(self.post, spool)
+
+    async def posted(self) -> None:
+        """Once begun, wait until it is posted (or could not be)."""
+        if self._posting is not None:
+            await asyncio.shield(self._posting)
+
+    def end(self) -> None:
+        """The fill ended, under its lock: the notice is withdrawn now (blocking, and
+        quick: also when the fill is cancelled). One still being posted posts nothing,
+        unless it is already between its last look and its rename (microseconds): that one
+        is withdrawn once it is there."""
+        posting = self._posting
+        if posting is None or posting.done():
+            self.withdraw()
+            return
+        self._ended = True
+        posting.add_done_callback(retrieved)
+        posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
+
     def post(self, spool: GrowingFile[BlobInfo]) -> None:
         """Post it for spool (blocking; if it cannot be written, nobody follows the fill).
-        Not once its fill ended (withdraw_once): the lock is released then, and a late post
-        would replace the notice of the fill that took it since."""
+        Not once its fill ended: the lock is released then, and a late post would replace
+        the notice of the fill that took it since."""
         body = json.dumps({"temp": str(spool.temp), "size": spool.size, "pid": os.getpid(),
                            "namespace": _namespace()})
         try:
@@ -107,17 +130,8 @@ class PostedNotice:
         if posted:
             self._temp = str(spool.temp)
 
-    def withdraw_once(self, posting: asyncio.Future[None]) -> None:
-        """Withdraw it once posting (its post, under way in a thread) is done: a fill that
-        ended before its notice was posted. A post still under way posts nothing, unless
-        it is already between its last look and its rename (microseconds): that notice is
-        withdrawn as before."""
-        self._ended = True
-        posting.add_done_callback(retrieved)
-        posting.add_done_callback(lambda _posted: quick_soon(self.withdraw))
-
     def withdraw(self) -> None:
-        """Remove the notice (blocking, and quick: also when the fill is cancelled)."""
+        """Remove the notice if it was posted and still names this fill (blocking)."""
         if self._temp is None:
             return
         try:

@@ -33,9 +33,11 @@ class StoredArchive:
 
 
 class SpoolStart:
-    """A spool begun while upstream is asked for the download: its empty file is made and
-    the cache disk's free space read in a thread meanwhile, so that once the download's size
-    is known no thread hop stands before a cold package's first byte."""
+    """A spool begun while upstream is asked for the download (`async with
+    SpoolStart(store) as start` around the request): its empty file is made and the cache
+    disk's free space read in a thread meanwhile, so that once the download's size is known
+    no thread hop stands before a cold package's first byte. Left without a spool taken from
+    it (the download failed first, or could not fit), its file is removed once made."""
 
     def __init__(self, store: BlobStore) -> None:
         self._store = store
@@ -43,21 +45,22 @@ class SpoolStart:
         self._made = quick_started(_make_spool_file, store.disk, self._temp)
         self._taken = False
 
+    async def __aenter__(self) -> SpoolStart:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if not self._taken:  # else the spool's fill removes it
+            self._made.add_done_callback(retrieved)
+            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
+
     async def spool(self, size: int | None) -> GrowingFile[BlobInfo]:
         """The spool for a download of size (None: unknown). One that cannot fit is refused
         (InsufficientStorage: a 507 before any headers)."""
         free = await asyncio.shield(self._made)
-        if size is not None and size > free:
-            raise self._store.disk.ran_out("package", size)
+        if size is not None:
+            self._store.disk.require_room("package", size, free)
         self._taken = True
         return spool_of(self._store, self._temp, size)
-
-    def discard(self) -> None:
-        """Unless a spool was made of it (then its fill removes it), remove its file once
-        made (the download failed first, or could not fit)."""
-        if not self._taken:
-            self._made.add_done_callback(retrieved)
-            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
 
 
 def _make_spool_file(disk: DiskSpace, temp: Path) -> int:

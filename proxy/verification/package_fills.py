@@ -13,7 +13,6 @@ from dataclasses import replace
 from proxy.config import UpstreamConfig
 from proxy.core.audit import NO_AUDIT, Artifact, AuditLog, key_id
 from proxy.core.errors import IntegrityError, NotFound
-from proxy.core.executors import quick_started
 from proxy.core.metrics import Metrics
 from proxy.core.models import Platform, ProviderAddress
 from proxy.core.redaction import mask_secrets
@@ -96,7 +95,7 @@ class PackageFills:
             # another fill meanwhile? (Not a file to check: it is replaced.)
             found = await fill_unless_published(
                 self._archives, key, "package", published,
-                lambda: self._download(provider, version, platform, offer, ahead), locked,
+                lambda: self._download(provider, version, platform, key, offer, ahead), locked,
                 followed)
             if other is not None and found is other.spool:
                 offer(other.spool)
@@ -118,7 +117,7 @@ class PackageFills:
         return entry, self._packages.ask_download(provider, version, platform)
 
     async def _download(self, provider: ProviderAddress, version: str, platform: Platform,
-                        offer: Offer[BlobInfo | GrowingFile[BlobInfo]],
+                        key: str, offer: Offer[BlobInfo | GrowingFile[BlobInfo]],
                         ahead: asyncio.Task[_Ahead] | None
                         ) -> BlobInfo | GrowingFile[BlobInfo]:
         assert ahead is not None  # asked for by locked(), which runs before the fill
@@ -129,40 +128,33 @@ class PackageFills:
                                                               document)
         async with self._fill_slots:
             self._metrics.fills_in_flight.inc()
-            start: SpoolStart | None = None
             try:
                 log.info("fetching %s %s %s from %s", provider, version, platform.key,
                          mask_secrets(info.download_url))  # may be a presigned URL
-                start = SpoolStart(self._archives)  # while upstream is asked
-                async with self._packages.open_package(provider, info,
-                                                       self._max_size) as download:
+                async with SpoolStart(self._archives) as start, \
+                        self._packages.open_package(provider, info, self._max_size) as download:
                     spool = await start.spool(download.size)
                     offer(spool)
                     # For this host's other processes to follow (proxy.store.fill_notices).
-                    notice = PostedNotice.of(self._archives, fill_key(provider, version,
-                                                                      platform))
-                    posting = None if notice is None else quick_started(notice.post, spool)
+                    notice = PostedNotice.of(self._archives, key)
+                    if notice is not None:
+                        notice.begin(spool)
                     try:
                         stored = await store_package(
                             self._archives, layout.provider_archive(provider, version, platform),
                             download.chunks, package.shasum, spool,
                             lambda stored: self._stored.vouch(provider, version, platform,
                                                               package, stored))
-                        if posting is not None:  # withdrawn below, under the lock
-                            await asyncio.shield(posting)
+                        if notice is not None:
+                            await notice.posted()
                     except IntegrityError as exc:
                         artifact = f"{provider} {version} {platform.key}"
                         raise self._packages.integrity(exc.kind, f"{artifact}: {exc.message}",
                                                        artifact) from None
                     finally:
-                        if notice is not None and posting is not None:
-                            if posting.done():
-                                notice.withdraw()
-                            else:  # failed before its notice was even posted
-                                notice.withdraw_once(posting)
+                        if notice is not None:
+                            notice.end()  # under the lock
             finally:
-                if start is not None:
-                    start.discard()
                 self._metrics.fills_in_flight.dec()
         self._audit.record(
             "fetched", Artifact.provider(provider, version, platform), cache="miss",
