@@ -21,6 +21,8 @@ from unittest import mock
 import pytest
 from aiohttp import hdrs, web
 from aiohttp.test_utils import make_mocked_request
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from proxy.cli.logs import JsonLineFormatter
 from proxy.core.line_writer import CHUNK_BYTES, BatchedLineWriter
@@ -187,6 +189,55 @@ def test_a_record_logged_another_way_is_the_line_the_formatters_wrote(
     handler.close()
     os.close(fd)
     assert out.read_text() == formatter.format(record) + "\n"
+
+
+# Steps between lines: seconds later (often within the same millisecond or second as the
+# line before, sometimes not), the request's duration, the level of a line logged another way.
+_STEPS = st.lists(st.tuples(
+    st.one_of(st.just(0.0), st.floats(0, 0.002), st.floats(0, 3)),
+    st.one_of(st.floats(0, 0.01), st.floats(0, 600)),
+    st.sampled_from(["INFO", "INFO", "WARNING"])), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(start=st.floats(1_700_000_000, 1_900_000_000), steps=_STEPS)
+# Times whose milliseconds come out one lower from (t - int(t)) * 1000, as logging counts
+# them, than from t * 1000.
+@example(start=1712692115.429, steps=[(0.0, 0.0123, "INFO")])
+@example(start=1897491186.231, steps=[(0.0, 1.5, "WARNING"), (0.0, 0.5, "INFO")])
+def test_lines_made_one_after_another_are_what_the_formatters_wrote(
+        start: float, steps: list[tuple[float, float, str]]) -> None:
+    """Lines made in a row (a batch: each reuses what the line before made for its
+    millisecond and second) have the characters logging's formatter gives each alone; a kept
+    answer's line those of a handler's answer with the same fields."""
+    formatter = logging.Formatter("%(asctime)s %(levelname)s w1 %(name)s: %(message)s")
+    writer = BatchedLineWriter(os.open(os.devnull, os.O_WRONLY))
+    made: list[str] = []
+    writer.add = lambda line: made.append(  # type: ignore[method-assign]
+        line if isinstance(line, str) else line[0](*line[1:]))
+    lines = AccessLines("plain", "text", 1, writer)
+    created = start
+    try:
+        for later, seconds, level in steps:
+            created += later
+            fields = {**FIELDS, "duration_ms": round(seconds * 1000, 1), "cache": "-"}
+            record = logging.LogRecord(ACCESS_LOGGER, getattr(logging, level), __file__, 1,
+                                       "%s", (plain_text(fields),), None)
+            record.created = created
+            record.msecs = int((created - int(created)) * 1000) + 0.0
+            expected = formatter.format(record) + "\n"
+            if level != "INFO":  # a record logged to the access logger another way
+                lines.emit(record)
+                assert made.pop() == expected
+                continue
+            assert lines.line(fields, created) == expected
+            kept = QuickAnswer(str(fields["path"]), status=200, body=b"x" * 5911040,
+                               headers={})
+            with mock.patch("proxy.web.access_log.time.time", return_value=created):
+                lines.write_quick(str(fields["remote"]), kept, seconds)
+            assert made.pop() == expected
+    finally:
+        writer.close()
 
 
 def test_a_stuck_reader_drops_and_counts_lines_but_never_blocks(
