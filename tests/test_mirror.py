@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient
 from proxy.app import create_app
 from proxy.config import Config, load_config
 from proxy.core.models import Platform, ProviderAddress
+from proxy.verification.packages import VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 from proxy.web.routes import ARCHIVES_KEY
 from tests.support.fake_registry import FakeRegistry
@@ -316,14 +317,16 @@ async def test_a_fill_asks_for_its_download_document_while_it_looks_at_the_store
         client: TestClient, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fill waiting for another process's fill lock asks upstream nothing (a fleet of
     replicas sends one request, not one each); once it holds the lock it asks for the
-    download document at once, while it looks at the store again (a cold package's first
-    byte waits for less), and then uses that answer."""
+    download document and reads the verified facts at once, while it looks at the store
+    again (a cold package's first byte waits for less), and then uses that answer."""
     # Not the document VERSION.json just fetched (see the next test): a fresh one.
     monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # as Terraform does
     document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
     asked_before = registry.paths().count(document)
     asked_during_the_second_look: list[int] = []
+    facts_read_during_the_second_look: list[int] = []
+    facts_read = _count_fact_reads(monkeypatch)
     looked = StoredPackages.stored
 
     async def slow_second_look(stored: StoredPackages, *args: Any, check: bool = True
@@ -331,6 +334,7 @@ async def test_a_fill_asks_for_its_download_document_while_it_looks_at_the_store
         if not check:  # the look under the lock
             await asyncio.sleep(0.3)
             asked_during_the_second_look.append(registry.paths().count(document) - asked_before)
+            facts_read_during_the_second_look.append(len(facts_read))
         return await looked(stored, *args, check=check)
 
     monkeypatch.setattr(StoredPackages, "stored", slow_second_look)
@@ -348,15 +352,32 @@ async def test_a_fill_asks_for_its_download_document_while_it_looks_at_the_store
         "linux_amd64"]
     assert asked_while_another_held_the_lock == 0
     assert asked_during_the_second_look[-1] == 1
+    assert facts_read_during_the_second_look[-1] == 1  # the facts too, read meanwhile
     assert registry.paths().count(document) - asked_before == 1
 
 
 async def test_the_zip_of_a_version_document_just_answered_costs_no_second_document(
-        client: TestClient, registry: FakeRegistry) -> None:
+        client: TestClient, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
     """Terraform asks for the zip right after VERSION.json: the download document fetched
-    for it moments before is taken."""
+    for it moments before is taken, with the facts verified with it (not read again from
+    the index: one thread hop less before the first byte)."""
     document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
     asked = registry.paths().count(document)
+    facts_read = _count_fact_reads(monkeypatch)
     assert (await client.get(f"{BASE}/{ZIP}")).status == 200
     assert registry.paths().count(document) == asked
+    assert facts_read == []
+
+
+def _count_fact_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, one entry per read of a package's verified facts (memory or index)."""
+    reads: list[int] = []
+    recorded = VerifiedPackages._recorded
+
+    async def counted(packages: VerifiedPackages, *args: Any) -> Any:
+        reads.append(1)
+        return await recorded(packages, *args)
+
+    monkeypatch.setattr(VerifiedPackages, "_recorded", counted)
+    return reads

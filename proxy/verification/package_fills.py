@@ -23,15 +23,16 @@ from proxy.store.fill_notices import OtherFill, PostedNotice
 from proxy.store.leases import fill_unless_published
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.spool import SpoolStart, store_package
-from proxy.upstream.documents import DownloadInfo, VersionEntry
+from proxy.upstream.documents import VersionEntry
 from proxy.upstream.http import DOWNLOAD_STALL_SECONDS
-from proxy.verification.packages import VerifiedPackages
+from proxy.verification.packages import AskedDownload, VerifiedPackages
 from proxy.verification.stored_packages import StoredPackages, fill_key
 
 log = logging.getLogger(__name__)
 # What a fill asks for as soon as it holds its lock: the version's entry, and the package's
-# download document under way (None: offline, or a platform the entry does not name).
-_Ahead = tuple[VersionEntry, asyncio.Future[DownloadInfo] | None]
+# download document and verified facts under way (None: offline, or a platform the entry does
+# not name).
+_Ahead = tuple[VersionEntry, asyncio.Future[AskedDownload] | None]
 
 
 class PackageFills:
@@ -109,8 +110,8 @@ class PackageFills:
 
     async def _entry_and_document(self, provider: ProviderAddress, version: str,
                                   platform: Platform) -> _Ahead:
-        """The version's entry, and its download document asked for (online, for a platform
-        the entry names)."""
+        """The version's entry, and its download document asked for with the verified facts
+        (online, for a platform the entry names)."""
         entry = await self._packages.version_entry(provider, version)
         if self._offline or platform not in entry.platforms:
             return entry, None

@@ -55,8 +55,9 @@ HELD_FACTS = 16384
 SUMS_FAILURE_SECONDS = 10.0
 # A download document fetched for a package's facts (VERSION.json) whose URL has no query (no
 # signature that may be short-lived or single-use) is taken by the package's fill this long
-# after (once): the zip of a VERSION.json just answered costs no second request for it.
-# Later fills, and URLs with a query, ask upstream again.
+# after (once), with the facts verified with it: the zip of a VERSION.json just answered
+# costs no second request for it and no read of its facts. Later fills, and URLs with a
+# query, ask upstream again.
 RECENT_DOWNLOAD_SECONDS = 10.0
 HELD_RECENT = 1024
 
@@ -75,6 +76,10 @@ class VerifiedPackage:
     # The stored zip as it was when its bytes last matched shasum: a hit on a file that no
     # longer looks like this reads it again before serving it.
     stored_as: FileIdentity | None = None
+
+
+# A download document asked for, and the package's verified facts (None: none recorded).
+AskedDownload = tuple[DownloadInfo, VerifiedPackage | None]
 
 
 class VerifiedPackages:
@@ -103,8 +108,10 @@ class VerifiedPackages:
         self._failed_sums: OrderedDict[str, float] = OrderedDict()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
-        # Download documents just fetched for facts, by package key: (when, the document).
-        self._recent_downloads: OrderedDict[str, tuple[float, DownloadInfo]] = OrderedDict()
+        # Download documents just fetched and verified for facts, by package key: (when, the
+        # document, the facts).
+        self._recent_downloads: OrderedDict[
+            str, tuple[float, DownloadInfo, VerifiedPackage]] = OrderedDict()
 
     def on_save(self, listener: Callable[[ProviderAddress, str], None]) -> None:
         """Call listener(provider, version) whenever this process records facts that may
@@ -160,34 +167,45 @@ class VerifiedPackages:
         raise UnknownVersion(f"{provider} has no version {version}")
 
     def ask_download(self, provider: ProviderAddress, version: str,
-                     platform: Platform) -> asyncio.Future[DownloadInfo]:
-        """A download document, asked for now (see current_download); one this process was
-        sent at most RECENT_DOWNLOAD_SECONDS ago is taken instead (once)."""
+                     platform: Platform) -> asyncio.Future[AskedDownload]:
+        """A download document asked for now, with the package's verified facts read
+        meanwhile (see current_download). A document this process verified at most
+        RECENT_DOWNLOAD_SECONDS ago is taken instead (once), with the facts verified with it:
+        nothing to ask upstream, nothing to read."""
         recent = self._recent_downloads.pop(self.package_key(provider, version, platform), None)
         if recent is not None and time.monotonic() - recent[0] <= RECENT_DOWNLOAD_SECONDS:
-            taken: asyncio.Future[DownloadInfo] = asyncio.get_running_loop().create_future()
-            taken.set_result(recent[1])
+            taken: asyncio.Future[AskedDownload] = asyncio.get_running_loop().create_future()
+            taken.set_result((recent[1], recent[2]))
             return taken
+        asking = asyncio.ensure_future(self._download_and_facts(provider, version, platform))
+        asking.add_done_callback(retrieved)  # a caller that failed first leaves no warning
+        return asking
+
+    async def _download_and_facts(self, provider: ProviderAddress, version: str,
+                                  platform: Platform) -> AskedDownload:
+        """Upstream's download document, and the facts recorded meanwhile."""
         fetching = asyncio.ensure_future(
             self._registry.download_info(provider, version, platform))
-        fetching.add_done_callback(retrieved)  # a caller that failed first leaves no warning
-        return fetching
+        fetching.add_done_callback(retrieved)
+        try:
+            known = await self._recorded(provider, version, platform)
+            return await fetching, known
+        finally:
+            fetching.cancel()  # a no-op once it is done
 
     async def current_download(self, provider: ProviderAddress, version: str,
                                platform: Platform,
-                               fetching: asyncio.Future[DownloadInfo] | None = None
+                               asked: asyncio.Future[AskedDownload] | None = None
                                ) -> tuple[DownloadInfo, VerifiedPackage]:
         """A fresh download document (its URL may be short-lived) and the verified facts,
-        which it must still agree with. The document is asked for while the facts are read
-        (a cold package's first byte waits for both), unless the caller asked for it already
-        (fetching, from ask_download); facts not recorded yet are fetched with it."""
-        if fetching is None:
-            fetching = self.ask_download(provider, version, platform)
+        which it must still agree with: both from ask_download (asked now unless the caller
+        asked already); facts not recorded yet are fetched with the document."""
+        if asked is None:
+            asked = self.ask_download(provider, version, platform)
         try:
-            known = await self._recorded(provider, version, platform)
-            info = await fetching
+            info, known = await asked
         finally:
-            fetching.cancel()  # a no-op once it is done
+            asked.cancel()  # a no-op once it is done
         package = known if known is not None else \
             await self.package(provider, version, platform, info)
         if (info.filename, info.shasum) != (package.filename, package.shasum):
@@ -271,12 +289,9 @@ class VerifiedPackages:
         record = await self._cache.get(key)  # a fill that finished since the caller looked
         if record is not None:
             return _package_from_record(record)
+        fetched = info is None  # for VERSION.json, not for a fill
         if info is None:
             info = await self._registry.download_info(provider, version, platform)
-            # The zip is usually asked for next (Terraform: right after VERSION.json). A URL
-            # with a query may carry a signature (S3, GCS, Azure, a token): asked for anew.
-            if not urlsplit(info.download_url).query:
-                keep_recent(self._recent_downloads, key, (time.monotonic(), info), HELD_RECENT)
         sums = parse_sha256sums(await self.signed_sums(provider, version, info))
         listed = sums.get(info.filename)
         if listed is None:
@@ -291,6 +306,11 @@ class VerifiedPackages:
                                   sums_id=sums_id(info.shasums_url),
                                   document=without_upstream_urls(info.document))
         await self._cache.set(key, asdict(package))
+        # The zip is usually asked for next (Terraform: right after VERSION.json). A URL with
+        # a query may carry a signature (S3, GCS, Azure, a token): asked for anew.
+        if fetched and not urlsplit(info.download_url).query:
+            keep_recent(self._recent_downloads, key, (time.monotonic(), info, package),
+                        HELD_RECENT)
         return package
 
     async def stored_sums(self, provider: ProviderAddress, version: str,
