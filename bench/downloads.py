@@ -112,9 +112,11 @@ def cold(session: Session) -> tuple[list[Figure], list[str]]:
                    Target("ratio", "<=", 1.5))
     floor = _floor_figure("cold", f"cold {name} zip", settings.workers, "direct")
     # Where the rest of the first byte goes: without a connection or handshake to make, the
-    # proxy's own cold path against upstream's answer to the same request.
+    # proxy's own cold path against upstream's answer to the same request. (Terraform itself
+    # asks for the zip on a new connection, as the first row does: its package installer
+    # uses an HTTP client of its own.)
     kept = Figure("cold", f"cold {name} zip: time to first byte on the connection that "
-                  "fetched its document (as Terraform does)", "ms", "direct, on upstream's")
+                  "fetched its document (no handshake)", "ms", "direct, on upstream's")
     upstream = session.upstream
     thread = upstream.registry.thread
     uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])

@@ -81,9 +81,9 @@ def download(ca: Path, url: str) -> Download:
 
 
 def download_after(ca: Path, first: str, url: str) -> Download:
-    """Download first, then url on the same connection (one curl, as Terraform's client
-    keeps its connection); the second download's figures (its time to first byte counts
-    from its own request: no connection or handshake)."""
+    """Download first, then url on the same connection (one curl); the second download's
+    figures (its time to first byte counts from its own request: no connection or
+    handshake)."""
     result = subprocess.run(["curl", "-s", "--cacert", str(ca), "-w", _CURL_OUT + "\\n",
                              "-o", "/dev/null", first, "-o", "/dev/null", url],
                             capture_output=True, text=True, check=True)

@@ -355,9 +355,10 @@ async def test_a_document_asked_for_during_a_fills_h1_pass_waits_for_it_not_a_se
 
 async def test_a_cold_package_reads_its_facts_while_upstream_answers_its_download_document(
         make: Make, registry: FakeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The first byte of a miss waits for the download document (upstream) and the recorded
-    # facts (the index): asked for together, not one after the other. (Not the document
-    # VERSION.json just fetched: that one is taken with its facts, and nothing is read.)
+    # The first byte of a miss waits for the recorded facts (the index), which may note a
+    # download document another process just fetched, and then upstream's download document:
+    # the facts are read before the document is asked for, never after it came. (Not the
+    # document VERSION.json just fetched: that one is taken with its facts, nothing read.)
     monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
     client = await make()
     assert (await client.get(f"{BASE}/3.2.1.json")).status == 200  # the facts, recorded

@@ -370,14 +370,62 @@ async def test_the_zip_of_a_version_document_just_answered_costs_no_second_docum
     assert facts_read == []
 
 
+@pytest.mark.parametrize("faults", [set(), {"expiring"}])
+async def test_another_worker_takes_the_download_document_noted_with_the_facts(
+        make_client: MakeClient, proxy_config: Config, registry: FakeRegistry,
+        faults: set[str]) -> None:
+    """Terraform fetches the zip on a new connection, which another worker (another process
+    on the same store) may accept: it takes the download document the worker that answered
+    VERSION.json noted with the facts, instead of asking upstream again; not a document
+    whose URL holds a query (a signature may be good for one use only: asked for anew)."""
+    registry.faults |= faults
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    answered, other = await make_client(proxy_config), await make_client(proxy_config)
+    assert (await answered.get(f"{BASE}/3.2.1.json")).status == 200
+    asked = registry.paths().count(document)
+    response = await other.get(f"{BASE}/{ZIP}")
+    assert response.status == 200
+    assert await response.read() == registry.releases[("hashicorp", "null", "3.2.1")].zips[
+        "linux_amd64"]
+    assert registry.paths().count(document) == asked + (1 if faults else 0)
+
+
+async def test_a_fill_after_a_failed_one_asks_for_a_fresh_document(
+        client: TestClient, registry: FakeRegistry) -> None:
+    """The worker that noted a download document takes it once (from memory), never again
+    from its own note: a fill that follows a failed one asks upstream anew."""
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    assert (await client.get(f"{BASE}/3.2.1.json")).status == 200
+    registry.faults.add("corrupt")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await (await client.get(f"{BASE}/{ZIP}")).read()
+    asked = registry.paths().count(document)
+    registry.faults.clear()
+    assert (await client.get(f"{BASE}/{ZIP}")).status == 200
+    assert registry.paths().count(document) == asked + 1
+
+
+async def test_a_noted_download_document_is_taken_only_moments_after(
+        make_client: MakeClient, proxy_config: Config, registry: FakeRegistry,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Later, a fill in another worker asks upstream for a fresh document."""
+    monkeypatch.setattr("proxy.verification.packages.RECENT_DOWNLOAD_SECONDS", -1.0)
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    answered, other = await make_client(proxy_config), await make_client(proxy_config)
+    assert (await answered.get(f"{BASE}/3.2.1.json")).status == 200
+    asked = registry.paths().count(document)
+    assert (await other.get(f"{BASE}/{ZIP}")).status == 200
+    assert registry.paths().count(document) == asked + 1
+
+
 def _count_fact_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on, one entry per read of a package's verified facts (memory or index)."""
     reads: list[int] = []
-    recorded = VerifiedPackages._recorded
+    recorded = VerifiedPackages._recorded_with_record  # what every read of them goes through
 
     async def counted(packages: VerifiedPackages, *args: Any) -> Any:
         reads.append(1)
         return await recorded(packages, *args)
 
-    monkeypatch.setattr(VerifiedPackages, "_recorded", counted)
+    monkeypatch.setattr(VerifiedPackages, "_recorded_with_record", counted)
     return reads

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from proxy.upstream.documents import (
 from proxy.upstream.http import Download
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.integrity import reported
+from proxy.verification.noted_downloads import note_download, noted_download
 from proxy.verification.release_times import ReleaseTimes
 from proxy.verification.signatures import signature_time, verify_detached
 
@@ -56,8 +58,9 @@ SUMS_FAILURE_SECONDS = 10.0
 # A download document fetched for a package's facts (VERSION.json) whose URL has no query (no
 # signature that may be short-lived or single-use) is taken by the package's fill this long
 # after (once), with the facts verified with it: the zip of a VERSION.json just answered
-# costs no second request for it and no read of its facts. Later fills, and URLs with a
-# query, ask upstream again.
+# costs no second request for it and no read of its facts. Other processes on the same index
+# take it from the facts' record (proxy.verification.noted_downloads) as long. Later fills,
+# and URLs with a query, ask upstream again.
 RECENT_DOWNLOAD_SECONDS = 10.0
 HELD_RECENT = 1024
 
@@ -108,6 +111,8 @@ class VerifiedPackages:
         self._failed_sums: OrderedDict[str, float] = OrderedDict()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
+        # Who notes download documents in facts records (noted_downloads): this instance.
+        self._noter = secrets.token_hex(8)
         # Download documents just fetched and verified for facts, by package key: (when, the
         # document, the facts).
         self._recent_downloads: OrderedDict[
@@ -183,15 +188,14 @@ class VerifiedPackages:
 
     async def _download_and_facts(self, provider: ProviderAddress, version: str,
                                   platform: Platform) -> AskedDownload:
-        """Upstream's download document, and the facts recorded meanwhile."""
-        fetching = asyncio.ensure_future(
-            self._registry.download_info(provider, version, platform))
-        fetching.add_done_callback(retrieved)
-        try:
-            known = await self._recorded(provider, version, platform)
-            return await fetching, known
-        finally:
-            fetching.cancel()  # a no-op once it is done
+        """The facts recorded, with the download document another process noted in their
+        record moments ago (noted_downloads); else upstream's, asked for then."""
+        known, record = await self._recorded_with_record(provider, version, platform)
+        noted = None if record is None else noted_download(
+            record, platform, RECENT_DOWNLOAD_SECONDS, self._noter)
+        if noted is not None:
+            return noted, known
+        return await self._registry.download_info(provider, version, platform), known
 
     async def current_download(self, provider: ProviderAddress, version: str,
                                platform: Platform,
@@ -270,19 +274,25 @@ class VerifiedPackages:
     async def _recorded(self, provider: ProviderAddress, version: str,
                         platform: Platform) -> VerifiedPackage | None:
         """The verified facts held in memory or recorded in the index (a hit), if any."""
+        return (await self._recorded_with_record(provider, version, platform))[0]
+
+    async def _recorded_with_record(self, provider: ProviderAddress, version: str,
+                                    platform: Platform
+                                    ) -> tuple[VerifiedPackage | None, dict[str, Any] | None]:
+        """_recorded's facts, and the record they were read from (None: held in memory)."""
         key = self.package_key(provider, version, platform)
         held = self._held.get(key)
         if held is not None:
             self._held.move_to_end(key)
             self._metrics.cache_lookups.labels("package", "hit").inc()
-            return held
+            return held, None
         record = await self._cache.get(key)
         if record is None:
-            return None
+            return None, None
         self._metrics.cache_lookups.labels("package", "hit").inc()
         package = _package_from_record(record)
         self._hold(key, package)
-        return package
+        return package, record
 
     async def _fill_package(self, key: str, provider: ProviderAddress, version: str,
                             platform: Platform, info: DownloadInfo | None) -> VerifiedPackage:
@@ -305,7 +315,10 @@ class VerifiedPackages:
         package = VerifiedPackage(filename=info.filename, shasum=info.shasum,
                                   sums_id=sums_id(info.shasums_url),
                                   document=without_upstream_urls(info.document))
-        await self._cache.set(key, asdict(package))
+        record = asdict(package)
+        if fetched:  # for the fill of another process that the zip's request may reach
+            note_download(record, info, self._noter)
+        await self._cache.set(key, record)
         # The zip is usually asked for next (Terraform: right after VERSION.json). A URL with
         # a query may carry a signature (S3, GCS, Azure, a token): asked for anew.
         if fetched and not urlsplit(info.download_url).query:

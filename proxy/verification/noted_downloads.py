@@ -1,0 +1,59 @@
+"""A download document noted with the facts verified from it, for the host's other processes.
+
+Building the VERSION.json a client asks for just before the zip, a process fetches each
+platform's download document and verifies its facts. Terraform then fetches the zip on a new
+connection, which another worker (or a replica on the same index) may accept: that process
+would ask upstream for the document again, a round trip before the first byte. So the facts'
+record notes the document's URLs, when and by whom; another process's fill takes them within
+a few seconds instead of asking (the process that noted them holds the document in memory).
+Only documents whose URLs hold no query and no user info are noted: a query may carry a
+signature that is short-lived or good for one use, user info a credential (such documents are
+always asked for anew, and never written to the index)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from proxy.core.errors import UpstreamError
+from proxy.core.models import Platform
+from proxy.upstream.documents import UPSTREAM_URL_FIELDS, DownloadInfo, parse_download
+
+# The field of a package's facts record that holds the note.
+NOTE_FIELD = "noted_download"
+
+
+def note_download(record: dict[str, Any], info: DownloadInfo, noted_by: str) -> None:
+    """Note info's URLs in record (the facts about to be saved), unless one of them must not
+    be reused or written down."""
+    urls = {name: getattr(info, name) for name in UPSTREAM_URL_FIELDS}
+    if all(_reusable(url) for url in urls.values()):
+        record[NOTE_FIELD] = {"at": time.time(), "by": noted_by, "urls": urls}
+
+
+def noted_download(record: dict[str, Any], platform: Platform, seconds: float,
+                   taker: str) -> DownloadInfo | None:
+    """The download document another process noted in record at most `seconds` ago, as
+    upstream sent it; None if there is none (or it cannot be read back)."""
+    note, document = record.get(NOTE_FIELD), record.get("document")
+    if not isinstance(note, dict) or not isinstance(document, dict) or note.get("by") == taker:
+        return None
+    at, urls = note.get("at"), note.get("urls")
+    if not isinstance(at, (int, float)) or not 0 <= time.time() - at <= seconds \
+            or not isinstance(urls, dict) or not isinstance(urls.get("download_url"), str):
+        return None
+    try:
+        info = parse_download({**document, **urls}, urls["download_url"], platform)
+    except UpstreamError:
+        return None
+    return info if all(_reusable(getattr(info, name)) for name in UPSTREAM_URL_FIELDS) \
+        else None
+
+
+def _reusable(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return not parts.query and parts.username is None and parts.password is None
+    except ValueError:
+        return False
