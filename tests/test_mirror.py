@@ -405,6 +405,22 @@ async def test_a_fill_after_a_failed_one_asks_for_a_fresh_document(
     assert registry.paths().count(document) == asked + 1
 
 
+async def test_another_worker_takes_a_noted_download_document_once(
+        make_client: MakeClient, proxy_config: Config, registry: FakeRegistry) -> None:
+    """A worker whose fill with a noted document failed asks upstream anew the next time."""
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    answered, other = await make_client(proxy_config), await make_client(proxy_config)
+    assert (await answered.get(f"{BASE}/3.2.1.json")).status == 200
+    asked = registry.paths().count(document)
+    registry.faults.add("corrupt")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await (await other.get(f"{BASE}/{ZIP}")).read()
+    assert registry.paths().count(document) == asked  # the noted document, taken
+    registry.faults.clear()
+    assert (await other.get(f"{BASE}/{ZIP}")).status == 200
+    assert registry.paths().count(document) == asked + 1
+
+
 async def test_a_noted_download_document_is_taken_only_moments_after(
         make_client: MakeClient, proxy_config: Config, registry: FakeRegistry,
         monkeypatch: pytest.MonkeyPatch) -> None:

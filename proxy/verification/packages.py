@@ -113,6 +113,9 @@ class VerifiedPackages:
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
         # Who notes download documents in facts records (noted_downloads): this instance.
         self._noter = secrets.token_hex(8)
+        # When this instance last took a document noted by another process, by package key:
+        # a note is taken once, as a document held in memory is.
+        self._taken_notes: OrderedDict[str, float] = OrderedDict()
         # Download documents just fetched and verified for facts, by package key: (when, the
         # document, the facts).
         self._recent_downloads: OrderedDict[
@@ -173,10 +176,11 @@ class VerifiedPackages:
 
     def ask_download(self, provider: ProviderAddress, version: str,
                      platform: Platform) -> asyncio.Future[AskedDownload]:
-        """A download document asked for now, with the package's verified facts read
-        meanwhile (see current_download). A document this process verified at most
-        RECENT_DOWNLOAD_SECONDS ago is taken instead (once), with the facts verified with it:
-        nothing to ask upstream, nothing to read."""
+        """The package's verified facts and a download document, under way (see
+        current_download): the facts read first (their record may note a document another
+        process just verified), then the document asked for. A document this process
+        verified at most RECENT_DOWNLOAD_SECONDS ago is taken instead (once), with the facts
+        verified with it: nothing to ask upstream, nothing to read."""
         recent = self._recent_downloads.pop(self.package_key(provider, version, platform), None)
         if recent is not None and time.monotonic() - recent[0] <= RECENT_DOWNLOAD_SECONDS:
             taken: asyncio.Future[AskedDownload] = asyncio.get_running_loop().create_future()
@@ -189,11 +193,15 @@ class VerifiedPackages:
     async def _download_and_facts(self, provider: ProviderAddress, version: str,
                                   platform: Platform) -> AskedDownload:
         """The facts recorded, with the download document another process noted in their
-        record moments ago (noted_downloads); else upstream's, asked for then."""
+        record moments ago (noted_downloads; taken once); else upstream's, asked for then."""
+        key = self.package_key(provider, version, platform)
         known, record = await self._recorded_with_record(provider, version, platform)
-        noted = None if record is None else noted_download(
-            record, platform, RECENT_DOWNLOAD_SECONDS, self._noter)
+        taken = self._taken_notes.get(key)
+        noted = None if record is None or (
+            taken is not None and time.monotonic() - taken <= RECENT_DOWNLOAD_SECONDS) \
+            else noted_download(record, platform, RECENT_DOWNLOAD_SECONDS, self._noter)
         if noted is not None:
+            keep_recent(self._taken_notes, key, time.monotonic(), HELD_RECENT)
             return noted, known
         return await self._registry.download_info(provider, version, platform), known
 
