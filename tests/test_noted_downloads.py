@@ -1,6 +1,6 @@
 """A download document noted in a facts record for the host's other processes: only URLs
 that may be reused and written down, read back as upstream sent them, and nothing from a
-note that is stale, the taker's own, or malformed."""
+note that is stale or malformed."""
 
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ def _document(**urls: str) -> dict[str, Any]:
             "signing_keys": {"gpg_public_keys": [{"ascii_armor": "KEY"}]}, **urls}
 
 
-def _noted(document: dict[str, Any], by: str = "worker-1") -> dict[str, Any]:
+def _noted(document: dict[str, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {"document": without_upstream_urls(document)}
-    note_download(record, parse_download(document, BASE, PLATFORM), by)
+    noted = note_download(record, parse_download(document, BASE, PLATFORM))
+    assert noted == (NOTE_FIELD in record)
     return record
 
 
 def test_a_noted_document_reads_back_as_upstream_sent_it() -> None:
     document = _document()
-    taken = noted_download(_noted(document), PLATFORM, 10, "worker-2")
+    taken = noted_download(_noted(document), PLATFORM, 10)
     assert taken == parse_download(document, BASE, PLATFORM)
 
 
@@ -49,15 +50,16 @@ def test_urls_that_must_not_be_reused_or_written_are_not_noted(field: str, url: 
     assert "secret" not in repr(record) and "Signature" not in repr(record)
 
 
-def test_nothing_is_taken_from_a_stale_an_own_or_a_malformed_note() -> None:
+def test_nothing_is_taken_from_a_stale_or_a_malformed_note() -> None:
     record = _noted(_document())
-    assert noted_download(record, PLATFORM, 10, "worker-1") is None  # its own
-    assert noted_download(record, PLATFORM, -1, "worker-2") is None  # stale
+    assert noted_download(record, PLATFORM, -1) is None  # stale
     record[NOTE_FIELD]["at"] = time.time() + 60  # from the future (a clock set back)
-    assert noted_download(record, PLATFORM, 10, "worker-2") is None
+    assert noted_download(record, PLATFORM, 10) is None
     for note in (None, "x", {"at": time.time()}, {"at": "now", "urls": {}},
-                 {"at": time.time(), "by": "w", "urls": {"download_url": "http://x/a.zip"}},
-                 {"at": time.time(), "by": "w", "urls": {"download_url": 7}}):
-        assert noted_download({**record, NOTE_FIELD: note}, PLATFORM, 10, "worker-2") is None
+                 {"at": time.time(), "urls": {"download_url": "http://x/a.zip"}},
+                 {"at": time.time(), "urls": {"download_url": 7}}):
+        assert noted_download({**record, NOTE_FIELD: note}, PLATFORM, 10) is None
     # A note whose document is for another platform is not taken either.
-    assert noted_download(record, Platform.parse("darwin", "arm64"), 10, "worker-2") is None
+    record[NOTE_FIELD]["at"] = time.time()
+    assert noted_download(record, PLATFORM, 10) is not None
+    assert noted_download(record, Platform.parse("darwin", "arm64"), 10) is None

@@ -8,14 +8,12 @@ import asyncio
 import hashlib
 import logging
 import re
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from proxy.config import UpstreamConfig
 from proxy.config.filters import Filters
@@ -41,7 +39,7 @@ from proxy.upstream.documents import (
 from proxy.upstream.http import Download
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.integrity import reported
-from proxy.verification.noted_downloads import note_download, noted_download
+from proxy.verification.noted_downloads import note_download, noted_download, reusable_url
 from proxy.verification.release_times import ReleaseTimes
 from proxy.verification.signatures import signature_time, verify_detached
 
@@ -111,11 +109,10 @@ class VerifiedPackages:
         self._failed_sums: OrderedDict[str, float] = OrderedDict()
         self._held: OrderedDict[str, VerifiedPackage] = OrderedDict()
         self._on_save: list[Callable[[ProviderAddress, str], None]] = []
-        # Who notes download documents in facts records (noted_downloads): this instance.
-        self._noter = secrets.token_hex(8)
-        # When this instance last took a document noted by another process, by package key:
-        # a note is taken once, as a document held in memory is.
-        self._taken_notes: OrderedDict[str, float] = OrderedDict()
+        # When this instance last noted a download document in a facts record or took one
+        # noted there, by package key: a note is taken once, as a document held in memory is
+        # (the noting instance's one use is its copy in memory).
+        self._used_notes: OrderedDict[str, float] = OrderedDict()
         # Download documents just fetched and verified for facts, by package key: (when, the
         # document, the facts).
         self._recent_downloads: OrderedDict[
@@ -194,16 +191,23 @@ class VerifiedPackages:
                                   platform: Platform) -> AskedDownload:
         """The facts recorded, with the download document another process noted in their
         record moments ago (noted_downloads; taken once); else upstream's, asked for then."""
-        key = self.package_key(provider, version, platform)
         known, record = await self._recorded_with_record(provider, version, platform)
-        taken = self._taken_notes.get(key)
-        noted = None if record is None or (
-            taken is not None and time.monotonic() - taken <= RECENT_DOWNLOAD_SECONDS) \
-            else noted_download(record, platform, RECENT_DOWNLOAD_SECONDS, self._noter)
+        noted = None if record is None else self._take_note(
+            self.package_key(provider, version, platform), record, platform)
         if noted is not None:
-            keep_recent(self._taken_notes, key, time.monotonic(), HELD_RECENT)
             return noted, known
         return await self._registry.download_info(provider, version, platform), known
+
+    def _take_note(self, key: str, record: dict[str, Any],
+                   platform: Platform) -> DownloadInfo | None:
+        """The download document noted in record, unless this instance used that note."""
+        used = self._used_notes.get(key)
+        if used is not None and time.monotonic() - used <= RECENT_DOWNLOAD_SECONDS:
+            return None
+        noted = noted_download(record, platform, RECENT_DOWNLOAD_SECONDS)
+        if noted is not None:
+            keep_recent(self._used_notes, key, time.monotonic(), HELD_RECENT)
+        return noted
 
     async def current_download(self, provider: ProviderAddress, version: str,
                                platform: Platform,
@@ -324,12 +328,14 @@ class VerifiedPackages:
                                   sums_id=sums_id(info.shasums_url),
                                   document=without_upstream_urls(info.document))
         record = asdict(package)
-        if fetched:  # for the fill of another process that the zip's request may reach
-            note_download(record, info, self._noter)
+        # The zip is usually asked for next (Terraform: right after VERSION.json, on a new
+        # connection that another process may accept): the document is held for this
+        # process's fill, and noted in the record for another's. A URL with a query may carry
+        # a signature (S3, GCS, Azure, a token): asked for anew.
+        if fetched and note_download(record, info):
+            keep_recent(self._used_notes, key, time.monotonic(), HELD_RECENT)
         await self._cache.set(key, record)
-        # The zip is usually asked for next (Terraform: right after VERSION.json). A URL with
-        # a query may carry a signature (S3, GCS, Azure, a token): asked for anew.
-        if fetched and not urlsplit(info.download_url).query:
+        if fetched and reusable_url(info.download_url):
             keep_recent(self._recent_downloads, key, (time.monotonic(), info, package),
                         HELD_RECENT)
         return package
