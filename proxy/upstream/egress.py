@@ -22,7 +22,9 @@ that asks. The outbound proxy's credentials come from its URL only, as in Terraf
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
+import os
 import re
 import socket
 import urllib.request
@@ -105,9 +107,29 @@ def outbound_proxy(url: str) -> tuple[URL, BasicAuth | None] | None:
     in its URL; None for a direct connection. Every outbound request passes it explicitly."""
     try:
         target = URL(url)
-        if not target.host or urllib.request.proxy_bypass(target.host):
+    except ValueError:
+        return None
+    if not target.host:
+        return None
+    return _outbound_proxy(target.scheme, target.host, _proxy_settings(target.scheme))
+
+
+def _proxy_settings(scheme: str) -> tuple[str | None, ...]:
+    """The variables that choose an outbound proxy for scheme, as set in practice: the key
+    under which the choice is kept (a setting changed while the proxy runs takes effect)."""
+    return tuple(os.environ.get(name) for name in (
+        f"{scheme}_proxy", f"{scheme.upper()}_PROXY", "no_proxy", "NO_PROXY"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _outbound_proxy(scheme: str, host: str, _settings: tuple[str | None, ...]
+                    ) -> tuple[URL, BasicAuth | None] | None:
+    """outbound_proxy's choice for host, made once per host and settings: urllib reads the
+    whole environment on every call (about 70 us; twice per upstream request)."""
+    try:
+        if urllib.request.proxy_bypass(host):
             return None
-        configured = urllib.request.getproxies().get(target.scheme)
+        configured = urllib.request.getproxies().get(scheme)
         proxy = URL(configured) if configured else None
     except ValueError:
         return None
