@@ -176,6 +176,20 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total / CLOCK_TICKS
 
 
+def settle(root: int, window: float = 0.2, within: float = 10.0) -> None:
+    """Wait until the processes under root used under a tenth of a core over `window`
+    seconds (at most `within`): a cold fill's work after its last byte (the h1 pass reads
+    the whole zip) must not slow down the measurement that comes next."""
+    deadline = time.monotonic() + within
+    used = cpu_seconds(process_tree(root))
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = cpu_seconds(process_tree(root))
+        if now - used < window / 10:
+            return
+        used = now
+
+
 class MemorySampler:
     """A server's memory while a load runs, sampled every `interval` seconds: the peak sum of
     every process's proportional set size (PSS: a page shared by n processes counts 1/n in
