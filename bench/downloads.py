@@ -19,7 +19,6 @@ from bench.measure import (
     concurrent_downloads,
     download,
     download_after,
-    fetch,
     metered,
     settle,
     throughput,
@@ -134,29 +133,18 @@ def cold(session: Session) -> tuple[list[Figure], list[str]]:
     warmed = Figure("cold", f"cold {name} zip: time to first byte on a proxy that filled "
                     "packages before (its workers warm)", "ms", "direct")
     upstream = session.upstream
-    thread = upstream.registry.thread
     uses: tuple[list[CpuUse], list[CpuUse]] = ([], [])
     for run in range(settings.runs):
         progress(f"cold, run {run + 1}")
-        with session.fresh_cache(f"cold-{run}") as cache, \
-                session.proxy(cache, settings.workers) as proxy:
-            proxy.get(BIG.index)
-            proxy.get(BIG.document)
-            settle(proxy.pid)
-            (ours, our_cpu), (direct, direct_cpu) = in_turn(
-                run, partial(_settled, proxy.pid, partial(
-                    metered, partial(download, proxy.ca, proxy.url(BIG.archive())), thread,
-                    proxy.pid)),
-                partial(metered, partial(download, upstream.ca_file,
-                                         upstream.url(BIG.upstream_archive())), thread))
-        first.add(ours.first_byte * 1000, direct.first_byte * 1000)
-        whole.add(ours.total, direct.total)
-        floor.add(our_cpu.bound(settings.workers), direct_cpu.bound(settings.workers))
-        uses[0].append(our_cpu)
-        uses[1].append(direct_cpu)
-        for miss in range(1, FIRST_BYTE_MISSES):
-            ours, direct = _cold_miss(session, f"cold-{run}-{miss}", run + miss, warm=False)
+        for miss in range(FIRST_BYTE_MISSES):
+            (ours, our_cpu), (direct, direct_cpu) = _cold_miss(
+                session, f"cold-{run}-{miss}", run + miss, warm=False)
             first.add(ours.first_byte * 1000, direct.first_byte * 1000)
+            if miss == 0:  # the whole download and its CPU: one per run
+                whole.add(ours.total, direct.total)
+                floor.add(our_cpu.bound(settings.workers), direct_cpu.bound(settings.workers))
+                uses[0].append(our_cpu)
+                uses[1].append(direct_cpu)
         with session.fresh_cache(f"cold-kept-{run}") as cache, \
                 session.proxy(cache, settings.workers) as proxy:
             proxy.get(BIG.index)
@@ -168,8 +156,8 @@ def cold(session: Session) -> tuple[list[Figure], list[str]]:
                         upstream.url(BIG.upstream_archive())))
         kept.add(ours.first_byte * 1000, direct.first_byte * 1000)
         for miss in range(FIRST_BYTE_MISSES):
-            ours, direct = _cold_miss(session, f"cold-warmed-{run}-{miss}", run + miss,
-                                      warm=True)
+            (ours, _), (direct, _) = _cold_miss(session, f"cold-warmed-{run}-{miss}",
+                                                run + miss, warm=True)
             warmed.add(ours.first_byte * 1000, direct.first_byte * 1000)
     notes = [_cpu_note(f"cold {name} zip", "proxied download", uses[0], size,
                        settings.workers, "proxy"),
@@ -178,11 +166,13 @@ def cold(session: Session) -> tuple[list[Figure], list[str]]:
     return [first, kept, warmed, whole, floor], notes
 
 
-def _cold_miss(session: Session, name: str, turn: int, warm: bool) -> tuple[Download, Download]:
+def _cold_miss(session: Session, name: str, turn: int, warm: bool
+               ) -> tuple[tuple[Download, CpuUse], tuple[Download, CpuUse]]:
     """One cold miss of the big zip on a new proxy (its documents fetched first, as Terraform
     does; warm: after small packages were filled), and the same download straight from
-    upstream, in turn."""
+    upstream, in turn; each with the CPU every process used for it."""
     upstream = session.upstream
+    thread = upstream.registry.thread
     with session.fresh_cache(name) as cache, \
             session.proxy(cache, session.settings.workers) as proxy:
         if warm:
@@ -190,9 +180,12 @@ def _cold_miss(session: Session, name: str, turn: int, warm: bool) -> tuple[Down
         proxy.get(BIG.index)
         proxy.get(BIG.document)
         settle(proxy.pid)
-        return in_turn(turn, partial(_settled, proxy.pid,
-                                     partial(download, proxy.ca, proxy.url(BIG.archive()))),
-                       partial(download, upstream.ca_file, upstream.url(BIG.upstream_archive())))
+        return in_turn(
+            turn, partial(_settled, proxy.pid, partial(
+                metered, partial(download, proxy.ca, proxy.url(BIG.archive())), thread,
+                proxy.pid)),
+            partial(metered, partial(download, upstream.ca_file,
+                                     upstream.url(BIG.upstream_archive())), thread))
 
 
 def _settled(pid: int, work: Callable[[], T]) -> T:
@@ -210,7 +203,7 @@ def _fill_small_packages(proxy: Server) -> None:
         proxy.get(package.index)
         proxy.get(package.document)
         for platform in DOCUMENT_PLATFORMS:
-            fetch(proxy.ca, proxy.url(package.archive(platform)))
+            proxy.get(package.archive(platform))
 
 
 def herd(session: Session) -> tuple[list[Figure], list[str]]:

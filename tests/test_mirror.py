@@ -390,18 +390,26 @@ async def test_another_worker_takes_the_download_document_noted_with_the_facts(
     assert registry.paths().count(document) == asked + (1 if faults else 0)
 
 
+@pytest.mark.parametrize("worker", ["the same", "another"])
 async def test_a_download_document_that_failed_its_check_is_not_held_for_the_zip(
-        client: TestClient, registry: FakeRegistry) -> None:
-    """A document whose shasum SHA256SUMS did not vouch for is never taken by the zip's fill
-    (neither from memory nor from a note): once upstream mends it, the zip is fetched."""
+        make_client: MakeClient, proxy_config: Config, registry: FakeRegistry,
+        worker: str) -> None:
+    """A document whose shasum SHA256SUMS did not vouch for is never taken by the zip's fill,
+    neither from memory (the same worker) nor from a note (another worker): once upstream
+    mends it, the zip is fetched with a fresh document."""
+    document = "/v1/providers/hashicorp/null/3.2.1/download/linux/amd64"
+    answered = await make_client(proxy_config)
+    filling = answered if worker == "the same" else await make_client(proxy_config)
     registry.faults.add("wrongshasum:linux_amd64")
-    archives = (await (await client.get(f"{BASE}/3.2.1.json")).json())["archives"]
+    archives = (await (await answered.get(f"{BASE}/3.2.1.json")).json())["archives"]
     assert "linux_amd64" not in archives  # left out: its facts did not verify
     registry.faults.clear()
-    response = await client.get(f"{BASE}/{ZIP}")
+    asked = registry.paths().count(document)
+    response = await filling.get(f"{BASE}/{ZIP}")
     assert response.status == 200
     assert await response.read() == registry.releases[("hashicorp", "null", "3.2.1")].zips[
         "linux_amd64"]
+    assert registry.paths().count(document) == asked + 1
 
 
 async def test_a_fill_after_a_failed_one_asks_for_a_fresh_document(

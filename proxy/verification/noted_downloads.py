@@ -47,12 +47,10 @@ def noted_download(record: dict[str, Any], platform: Platform,
     if not isinstance(at, (int, float)) or not 0 <= time.time() - at <= seconds \
             or not isinstance(urls, dict) or not isinstance(urls.get("download_url"), str):
         return None
-    try:
-        info = parse_download({**document, **urls}, urls["download_url"], platform)
+    try:  # (only note_download writes a note: its URLs were found reusable then)
+        return parse_download({**document, **urls}, urls["download_url"], platform)
     except UpstreamError:
         return None
-    return info if all(reusable_url(getattr(info, name)) for name in UPSTREAM_URL_FIELDS) \
-        else None
 
 
 def reusable_url(url: str) -> bool:
