@@ -36,6 +36,8 @@ def test_signed_urls_hold_only_for_their_path_key_and_lifetime() -> None:
     assert not signer.valid("/a/b.zip", "1070", sig, now=1000)            # extended expiry
     assert not signer.valid("/a/b.zip", expires, "0" * 64, now=1000)      # forged
     assert not signer.valid("/a/b.zip", None, None)
+    assert not signer.valid("/a/b.zip", "\u00b9", sig, now=1000)  # "¹": str.isdigit's, not int's
+    assert not signer.valid("/a/b.zip", "\u0661\u0660\u0666\u0660", sig, now=1000)  # 1060, Arabic
     assert not UrlSigner(b"x" * 32, 60).valid("/a/b.zip", expires, sig, now=1000)
 
 
@@ -83,6 +85,8 @@ async def test_archives_need_a_valid_signature(client: TestClient) -> None:
     assert await response.read()
     assert (await client.get(f"{BASE}/{ZIP}")).status == 401
     assert (await client.get(signed.replace("sig=", "sig=0"))).status == 401
+    superscript = f"{BASE}/{ZIP}?expires=%C2%B9&sig=" + "0" * 64  # "¹": was a 500
+    assert (await client.get(superscript)).status == 401
     other = signed.replace("linux_amd64", "darwin_arm64")
     assert (await client.get(other)).status == 401   # a signature is for one path only
     assert (await client.get(f"{BASE}/{ZIP}", headers=AUTH)).status == 200

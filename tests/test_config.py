@@ -231,6 +231,13 @@ def test_workers_default_to_one_per_available_cpu_and_a_number_wins(
     assert load_config(write(tmp_path, "[server]\nworkers = 3\n"), environ={}).server.workers == 3
     environ = {"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"}
     assert load_config(None, environ=environ).server.workers == 2
-    for bad in ('"many"', "0", "true", "1.5"):
+    for bad in ('"many"', "0", "true", "1.5", '"\u00b9"', '"\u0663"'):
         with pytest.raises(ConfigError, match=r'server\.workers: expected "auto"'):
             load_config(write(tmp_path, f"[server]\nworkers = {bad}\n"), environ={})
+
+
+def test_a_port_written_in_other_digits_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    # str.isdigit takes "¹" (int() raises on it) and "٣" (int() reads 3): neither is a port.
+    for port in ("\u00b9", "\u0663"):
+        with pytest.raises(ConfigError, match=r"server\.listen"):
+            load_config(write(tmp_path, f'[server]\nlisten = "127.0.0.1:{port}"\n'), environ={})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.core.errors import BadRequest
@@ -34,6 +34,7 @@ def test_normalize_hostname(given_name: str, expected: str) -> None:
     "", "a..b", ".a", "a.", "user@host", "host/path", "host:0", "host:99999", "host:x",
     "127.0.0.1", "::1", "[::1]", "169.254.169.254", "a" * 300, "bad host", "xn--zz.example",
     "host\x00.example", "exa%6dple.com", "host:01",
+    "host:\u00b9", "host:\u0663",  # digits to str.isdigit: "¹" (int() refuses it), Arabic-Indic 3
 ])
 def test_normalize_hostname_rejects(bad: str) -> None:
     with pytest.raises(BadRequest):
@@ -41,6 +42,7 @@ def test_normalize_hostname_rejects(bad: str) -> None:
 
 
 @given(st.text(max_size=80))
+@example(":\u00b9")  # found by this test: "¹".isdigit(), and int() raised
 def test_normalize_hostname_never_crashes(text: str) -> None:
     try:
         result = normalize_hostname(text)
@@ -57,7 +59,8 @@ def test_valid_versions(version: str) -> None:
 
 
 @pytest.mark.parametrize("version", ["1.0", "v1.0.0", "1.02.0", "01.0.0", "1.0.0-", "latest",
-                                     "1.0.0-01", "1.0.0/../x", "", "1.0.0\n"])
+                                     "1.0.0-01", "1.0.0/../x", "", "1.0.0\n",
+                                     "1\u0663.0.0", "1.0.0-rc.\u0663"])  # a Unicode digit
 def test_invalid_versions(version: str) -> None:
     assert not is_valid_version(version)
     with pytest.raises(BadRequest):

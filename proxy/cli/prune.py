@@ -19,7 +19,7 @@ from proxy.store.contents import AddressPattern, BadPattern
 from proxy.store.prune import PruneRules, prune
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"(\d+)([smhdw])")
+_DURATION = re.compile(r"(\d+)([smhdw])", re.ASCII)
 # Uses are recorded at most hourly (S3 marks): a shorter period would take blobs in use.
 MIN_UNUSED_FOR = 3600
 

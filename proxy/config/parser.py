@@ -32,6 +32,7 @@ from proxy.config.settings import (
     parse_size,
 )
 from proxy.core.cpus import process_cpus
+from proxy.core.digits import is_decimal
 from proxy.core.errors import BadRequest
 from proxy.core.models import normalize_hostname
 from proxy.core.redaction import excerpt
@@ -425,7 +426,7 @@ class _Parser:
         if isinstance(value, str) and value.strip().lower() == "auto":
             usable = process_cpus()
             return usable.count, f'server.workers "auto": {usable.why}'
-        if isinstance(value, bool) or not str(value).strip().isdigit() or int(value) < 1:
+        if isinstance(value, bool) or not is_decimal(str(value).strip()) or int(value) < 1:
             self.problems.append(f'server.workers: expected "auto" or a whole number of at '
                                  f"least 1, got {value!r}")
             return 1, ""
@@ -456,7 +457,7 @@ def _parse_listen(value: object) -> tuple[str, int] | None:
     if not isinstance(value, str):
         return None
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not sep or not is_decimal(port) or not 0 < int(port) <= 65535:
         return None
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)

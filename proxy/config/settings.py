@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.core.cpus import available_cpus
+from proxy.core.digits import is_decimal
 
 CONFIG_ENV = "TF_REGISTRY_PROXY_CONFIG"
 # TF_REGISTRY_PROXY_<SECTION>_<KEY> overrides a scalar key, e.g. TF_REGISTRY_PROXY_CACHE_DIR.
 ENV_PREFIX = "TF_REGISTRY_PROXY_"
 DEFAULT_ALLOWED_HOSTS = ("registry.terraform.io", "registry.opentofu.org")
 KNOWN_SERVICES = ("providers.v1", "modules.v1")
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -343,7 +344,7 @@ ENV_KEYS = {
 }
 
 
-_DURATION = re.compile(r"(\d+)([smhdw])")
+_DURATION = re.compile(r"(\d+)([smhdw])", re.ASCII)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -357,7 +358,7 @@ def parse_duration(value: object) -> float | None:
     if not isinstance(value, str):
         return None
     text = value.strip()
-    if text.isdigit():
+    if is_decimal(text):
         return float(text)
     match = _DURATION.fullmatch(text)
     return None if match is None else float(int(match.group(1)) * _DURATION_UNITS[match.group(2)])

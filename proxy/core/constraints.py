@@ -5,22 +5,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from proxy.core.digits import is_decimal
+
 _CONSTRAINT = re.compile(
-    r"^\s*(=|!=|>=|<=|>|<|~>)?\s*v?(\d+(?:\.\d+){0,3}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)\s*$")
+    r"^\s*(=|!=|>=|<=|>|<|~>)?\s*v?(\d+(?:\.\d+){0,3}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)\s*$",
+    re.ASCII)
 
 
 def _parts(version: str) -> tuple[tuple[int, ...], str]:
     """(numbers padded to three, pre-release) of a version; build metadata ignored."""
     core = version.lstrip("v").split("+", 1)[0]
     numbers, _, pre = core.partition("-")
-    values = tuple(int(n) for n in numbers.split(".") if n.isdigit())
+    values = tuple(int(n) for n in numbers.split(".") if is_decimal(n))
     return (*values, 0, 0, 0)[:max(3, len(values))], pre
 
 
 def _key(version: str) -> tuple[tuple[int, ...], int, tuple[tuple[int, int | str], ...]]:
     numbers, pre = _parts(version)
     # Pre-release identifiers compare numerically where numeric (beta.10 after beta.2).
-    idents = tuple((0, int(p)) if p.isdigit() else (1, p) for p in pre.split(".")) if pre \
+    idents = tuple((0, int(p)) if is_decimal(p) else (1, p) for p in pre.split(".")) if pre \
         else ()
     return numbers, 0 if pre else 1, idents
 

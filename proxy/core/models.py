@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import idna
 
+from proxy.core.digits import is_decimal
 from proxy.core.errors import BadRequest
 
 _MAX_HOSTNAME = 253
@@ -21,7 +22,8 @@ _MAX_HOSTNAME = 253
 _SEMVER = re.compile(
     r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-((?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*)(?:\.(?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*))*))?"
-    r"(?:\+([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?$"
+    r"(?:\+([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?$",
+    re.ASCII,  # \d is Unicode's otherwise: "1٣.0.0" would pass
 )
 # Provider namespaces and types: letters, digits and single dashes (Terraform's provider part).
 _PROVIDER_PART = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
@@ -33,7 +35,7 @@ _MODULE_SYSTEM = re.compile(r"^[0-9a-z]{1,64}$")
 # ("v1.2", "1.2.0.1" pass); this keeps to that while staying safe as a path segment.
 _MODULE_VERSION = re.compile(
     r"^v?\d{1,9}(?:\.\d{1,9}){0,3}(?:-?[0-9A-Za-z][0-9A-Za-z-]*(?:\.[0-9A-Za-z-]+)*)?"
-    r"(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$")
+    r"(?:\+[0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*)?$", re.ASCII)
 _MAX_PART = 64
 _MAX_VERSION = 128
 
@@ -49,7 +51,7 @@ def normalize_hostname(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = text, ""
-    elif not port.isdigit() or not 0 < int(port) <= 65535 or port.startswith("0"):
+    elif not is_decimal(port) or not 0 < int(port) <= 65535 or port.startswith("0"):
         raise BadRequest(f"invalid port in hostname {text[:80]!r}")
     if not host or host.startswith(".") or host.endswith(".") or ".." in host:
         raise BadRequest(f"invalid hostname {text[:80]!r}")

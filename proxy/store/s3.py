@@ -41,6 +41,7 @@ from typing import BinaryIO
 import aiofiles
 
 from proxy.config.settings import CacheConfig, S3Config
+from proxy.core.digits import is_decimal
 from proxy.core.errors import InsufficientStorage
 from proxy.core.executors import quick, slow
 from proxy.core.metrics import Metrics
@@ -97,7 +98,7 @@ def _copy_key(info: ObjectInfo) -> str:
 def _from_copy(key: str, copy: BlobInfo) -> BlobInfo | None:
     """The blob a hot copy is of, as its name tells; None for another file."""
     tag, _, mtime = copy.key.removeprefix(key + _COPY).partition("-")
-    if not copy.key.startswith(key + _COPY) or len(tag) != 15 or not mtime.isdigit():
+    if not copy.key.startswith(key + _COPY) or len(tag) != 15 or not is_decimal(mtime):
         return None
     return BlobInfo(key, copy.size, float(mtime), _identity(tag, copy.size, int(mtime)))
 

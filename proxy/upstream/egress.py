@@ -36,6 +36,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from proxy.config import UpstreamConfig
+from proxy.core.digits import is_decimal
 from proxy.core.errors import UpstreamError
 from proxy.core.executors import dns
 from proxy.core.redaction import excerpt
@@ -195,7 +196,7 @@ def _name_problem(name: str) -> str | None:
 def endpoint(text: str, default_port: int) -> Endpoint:
     """The host and port of a `host`, `host:port` or `[v6]:port` entry."""
     host, sep, port = text.rpartition(":")
-    if sep and port.isdigit() and (host.startswith("[") or ":" not in host):
+    if sep and is_decimal(port) and (host.startswith("[") or ":" not in host):
         return normal_host(host), int(port)
     return normal_host(text), default_port
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from aiohttp import BasicAuth
 from yarl import URL
 
+from proxy.core.digits import is_decimal
 from proxy.core.errors import UpstreamError
 from proxy.upstream.egress import EgressPolicy, normal_host, open_by_name, outbound_proxy
 
@@ -197,7 +198,7 @@ def _target(authority: str) -> tuple[str, int] | None:
     """host and port of a CONNECT target, or None when it is not one."""
     host, sep, port = authority.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not sep or not host or not is_decimal(port) or not 0 < int(port) <= 65535:
         return None
     if any(c in host for c in "/\\@?#% \t\0") or not host.isprintable():
         return None

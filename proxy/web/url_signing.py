@@ -8,6 +8,8 @@ import hmac
 import time
 from urllib.parse import urlencode
 
+from proxy.core.digits import is_decimal
+
 EXPIRES = "expires"
 SIGNATURE = "sig"
 # The name of the token whose request handed the URL out (signed with it): the audit log
@@ -62,7 +64,7 @@ class UrlSigner:
     def valid(self, path: str, expires: str | None, signature: str | None,
               now: float | None = None, signed_for: str | None = None) -> bool:
         """Whether the query parameters authorize path now."""
-        if not expires or not signature or not expires.isdigit() or len(expires) > 12:
+        if not expires or not signature or not is_decimal(expires) or len(expires) > 12:
             return False
         if int(expires) < (time.time() if now is None else now):
             return False
