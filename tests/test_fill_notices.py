@@ -17,11 +17,13 @@ import pytest
 from proxy.core.errors import UpstreamError
 from proxy.core.spool import GrowingFile
 from proxy.store import fill_notices
+from proxy.store import spool as store_spool
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk import DiskBlobStore
 from proxy.store.file_identity import FileIdentity, identity_of
 from proxy.store.fill_notices import OtherFill, PostedNotice, read_notice
 from proxy.store.protocol import BlobInfo
+from proxy.store.spool import SpoolStart
 from tests.support.held_work import HeldCalls
 
 NAME = "registry.terraform.io/hashicorp/null/3.2.1/linux_amd64"
@@ -207,6 +209,33 @@ async def test_a_post_that_runs_after_its_fill_ended_leaves_a_later_fills_notice
     found = read_notice(path)
     assert found is not None and found.temp == str(later.temp)
     assert not list(path.parent.glob(f".{path.name}.*"))  # nothing left aside
+
+
+async def test_a_notice_is_posted_once_its_spool_file_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A spool is handed out while its file is still being made: a follower in another
+    # process that found the notice before the file would follow nothing.
+    made = HeldCalls(store_spool._make_spool_file)
+    monkeypatch.setattr(store_spool, "_make_spool_file", made)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await SpoolStart(blobs).spool(len(BODY))
+    notice = PostedNotice.of(blobs, NAME)
+    assert notice is not None
+    notice.begin(spool)
+    await made.settled(1, quiet=0.05)
+    await asyncio.sleep(0.05)  # a post that did not wait would be there by now
+    path = blobs.fill_notice(NAME)
+    assert path is not None and not path.exists()
+    made.release()
+    await notice.posted()
+    found = read_notice(path)
+    assert found is not None and found.temp == str(spool.temp)
+    other = await OtherFill.find(blobs, NAME)
+    assert other is not None
+    other.close()
+    assert spool.made is not None
+    os.close(await spool.made)
+    notice.end()
 
 
 async def test_a_fill_that_ends_once_its_notice_is_posted_withdraws_it_at_once(

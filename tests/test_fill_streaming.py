@@ -22,6 +22,7 @@ import pytest
 
 from proxy.core.errors import IntegrityError
 from proxy.core.spool import WINDOW, GrowingFile
+from proxy.store import spool as store_spool
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk import DiskBlobStore
 from proxy.store.protocol import BlobInfo
@@ -109,6 +110,59 @@ async def test_a_follower_gets_the_first_chunk_before_the_fill_reads_on(
     followed += b"".join([bytes(chunk) async for chunk in chunks])
     await fill
     assert bytes(followed) == data
+
+
+async def test_a_spool_is_handed_out_before_its_file_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making a file can wait on the file system's journal (milliseconds): a cold package's
+    headers (its spool handed out) and first bytes do not wait for it. The fill writes the
+    file, and a follower that falls behind memory reads it, once it is made."""
+    data = package(3 << 20)
+    made = HeldCalls(store_spool._make_spool_file)
+    monkeypatch.setattr(store_spool, "_make_spool_file", made)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    try:
+        async with asyncio.timeout(5):
+            spool = await SpoolStart(blobs).spool(len(data))
+            fill = asyncio.create_task(store_package(
+                blobs, KEY, pieces(data, 16 << 10), hashlib.sha256(data).hexdigest(), spool))
+            chunks = spool.chunks()
+            first = bytes(await chunks.__anext__())  # from memory
+        assert first and data.startswith(first)
+        assert not spool.temp.exists() and made.started == 1
+    finally:
+        made.release()
+    followed = bytearray(first)
+    while len(followed) < len(data) - 1:
+        followed += await chunks.__anext__()
+        await asyncio.sleep(0.001)  # slower than the fill: behind memory, from the file
+    followed += b"".join([bytes(chunk) async for chunk in chunks])
+    stored = await fill
+    assert bytes(followed) == data
+    assert blobs.path_of(stored.info.key).read_bytes() == data
+    assert not list((tmp_path / "tmp").rglob("*.part"))
+
+
+async def test_a_fill_that_fails_before_its_spool_file_is_made_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file is made after the fill failed and removed what there was: it goes then.
+    made = HeldCalls(store_spool._make_spool_file)
+    monkeypatch.setattr(store_spool, "_make_spool_file", made)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await SpoolStart(blobs).spool(10)
+
+    async def broken() -> AsyncIterator[bytes]:
+        raise ConnectionResetError("upstream went away")
+        yield b""  # an async generator
+
+    with pytest.raises(ConnectionResetError):
+        await store_package(blobs, KEY, broken(), "0" * 64, spool)
+    made.release()
+    for _ in range(500):
+        if made.finished and not spool.temp.exists():
+            break
+        await asyncio.sleep(0.01)
+    assert made.finished == 1 and not spool.temp.exists()
 
 
 async def test_a_follower_behind_what_memory_holds_reads_the_spool_file(
@@ -267,6 +321,8 @@ async def test_a_follower_keeps_the_spool_from_eviction(tmp_path: Path) -> None:
     data = package(1 << 20)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     spool = await SpoolStart(blobs).spool(len(data))
+    assert spool.made is not None
+    os.close(await spool.made)  # made meanwhile; its fill, which would write it, is not run here
     chunks = spool.chunks()
     spool.arrived(data[:1000])
     assert bytes(await chunks.__anext__()) == data[:999]  # from memory

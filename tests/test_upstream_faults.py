@@ -13,7 +13,6 @@ from aiohttp.test_utils import TestClient
 import proxy.store.freshness
 from proxy.config import Config
 from proxy.store import spool as store_spool
-from proxy.store.disk_space import DiskSpace
 from tests.support.fake_registry import FakeRegistry
 from tests.support.metrics import sample, total
 from tests.support.mirror_paths import BASE, ZIP
@@ -139,10 +138,10 @@ async def test_a_package_upstream_refuses_leaves_no_spool_behind(
     made: list[Path] = []
     make_spool_file = store_spool._make_spool_file
 
-    def recorded(disk: DiskSpace, temp: Path) -> int:
-        free = make_spool_file(disk, temp)
+    def recorded(temp: Path) -> int:
+        fd = make_spool_file(temp)
         made.append(temp)
-        return free
+        return fd
 
     monkeypatch.setattr(store_spool, "_make_spool_file", recorded)
     client = await make()

@@ -1,5 +1,5 @@
 """Thread pools for the proxy's blocking calls, kept apart by how long the calls take: a cache
-hit's quick lookup (SQLite, a stat, a small file) never queues behind slow work (hashing or
+hit's quick calls (SQLite, an open, a small file) never queue behind slow work (hashing or
 unpacking a whole package, packing a module, walking the cache), nor behind name lookups that
 hang with an unreachable DNS server.
 

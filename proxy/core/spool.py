@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from proxy.core.executors import quick_soon, quick_started
+from proxy.core.executors import quick, quick_soon, quick_started
 from proxy.core.file_reads import ChunkReader
 
 F = TypeVar("F")
@@ -38,8 +38,11 @@ class GrowingFile(Generic[F]):
     def __init__(self, temp: Path, size: int | None,
                  opened: Callable[[int], None] = lambda _fd: None,
                  published: Callable[[F], AsyncIterator[bytes]] = _not_readable,
-                 window: int = WINDOW) -> None:
+                 window: int = WINDOW, made: asyncio.Future[int] | None = None) -> None:
         self.temp = temp
+        # The temp file being made (its write descriptor, the fill's); None: it exists.
+        # Readers open it once it is made: a download's headers do not wait for it.
+        self.made = made
         self._opened = opened  # told each reader's file descriptor (the store marks it in use)
         # Reads what the spool became, for a reader that comes after it was published.
         self._published = published
@@ -132,7 +135,7 @@ class GrowingFile(Generic[F]):
         one is asked for."""
         # The file is opened meanwhile, for when this reader falls behind what memory holds:
         # the first bytes do not wait for it.
-        opening = quick_started(self._open)
+        opening = self._start_open()
         reader: ChunkReader | None = None
         offset = 0
         try:
@@ -165,6 +168,17 @@ class GrowingFile(Generic[F]):
                 await changed.wait()
         finally:
             opening.add_done_callback(close_when_opened)
+
+    def _start_open(self) -> asyncio.Future[int]:
+        """_open, on the quick pool once the file is made."""
+        made = self.made
+        if made is None or made.done():
+            return quick_started(self._open)
+        return asyncio.ensure_future(self._open_once_made(made))
+
+    async def _open_once_made(self, made: asyncio.Future[int]) -> int:
+        await asyncio.wait([made])  # its failure is the fill's: here the file is just not found
+        return await quick(self._open)
 
     def _open(self) -> int:
         """The spool, open for reading and marked in use (blocking): on disk it is the same

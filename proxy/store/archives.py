@@ -226,15 +226,20 @@ class ArchiveStore:
         return self.cache_dir.joinpath(*parts)
 
     async def lookup(self, parts: Sequence[str]) -> Path | None:
-        """The stored file, if present (a hit's first call: on the quick pool)."""
+        """The stored file, if present (one stat, on the event loop: see identity)."""
         path = self.path_for(parts)
-        return path if await quick(os.path.isfile, path) else None
+        return path if await self.identity(path) is not None else None
 
     async def identity(self, path: Path) -> FileIdentity | None:
-        """The identity of the stored file at path (one stat, a hit's first call: on the
-        quick pool); None if there is none."""
+        """The identity of the stored file at path (one stat, a hit's and a miss's first
+        call); None if there is none.
+
+        On the event loop, as the fill lock's open and flock are: a stat in a local cache
+        directory takes microseconds, while a hop to the quick pool and back took 0.2-0.4 ms
+        on a busy worker and 0.7-1.2 ms on an idle one (two thread wake-ups), before every
+        package's first byte."""
         try:
-            info = await quick(os.stat, path)
+            info = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         return identity_of(info) if stat.S_ISREG(info.st_mode) else None

@@ -95,8 +95,19 @@ class PostedNotice:
         return None if path is None else cls(path, name)
 
     def begin(self, spool: GrowingFile[BlobInfo]) -> None:
-        """Post it for spool on a thread, while the download goes on."""
-        self._posting = quick_started(self.post, spool)
+        """Post it for spool on a thread, while the download goes on (once the spool's file
+        is made: a follower that finds no file follows nothing)."""
+        made = spool.made
+        if made is None or made.done():
+            self._posting = quick_started(self.post, spool)
+        else:
+            self._posting = asyncio.ensure_future(self._post_once_made(spool, made))
+
+    async def _post_once_made(self, spool: GrowingFile[BlobInfo],
+                              made: asyncio.Future[int]) -> None:
+        await asyncio.wait([made])
+        if not made.cancelled() and made.exception() is None:  # else the fill fails
+            await quick(self.post, spool)
 
     async def posted(self) -> None:
         """Once begun, wait until it is posted (or could not be)."""

@@ -19,7 +19,7 @@ from proxy.core.errors import IntegrityError, UpstreamError
 from proxy.core.executors import quick, quick_soon, quick_started, slow, slow_started
 from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile, close_when_opened
-from proxy.store.disk_space import DiskSpace, free_bytes, is_out_of_space
+from proxy.store.disk_space import free_bytes, is_out_of_space
 from proxy.store.protocol import BlobInfo, BlobStore
 from proxy.store.usage import mark_in_use
 
@@ -34,15 +34,18 @@ class StoredArchive:
 
 class SpoolStart:
     """A spool begun while upstream is asked for the download (`async with
-    SpoolStart(store) as start` around the request): its empty file is made and the cache
-    disk's free space read in a thread meanwhile, so that once the download's size is known
-    no thread hop stands before a cold package's first byte. Left without a spool taken from
-    it (the download failed first, or could not fit), its file is removed once made."""
+    SpoolStart(store) as start` around the request): the cache disk's free space is read, and
+    the spool's file made and opened, on the quick pool meanwhile. Only the free space stands
+    before a cold package's headers: making a file can wait milliseconds on the file system's
+    journal, and the first bytes go to their clients from memory (the fill writes, and
+    readers that fall behind read, once it is made). Left without a spool taken from it (the
+    download failed first, or could not fit), its file is removed once made."""
 
     def __init__(self, store: BlobStore) -> None:
         self._store = store
         self._temp = store.spool_path()
-        self._made = quick_started(_make_spool_file, store.disk, self._temp)
+        self._free = quick_started(free_bytes, store.disk.directory)
+        self._made = quick_started(_make_spool_file, self._temp)
         self._taken = False
 
     async def __aenter__(self) -> SpoolStart:
@@ -50,29 +53,32 @@ class SpoolStart:
 
     async def __aexit__(self, *_exc: object) -> None:
         if not self._taken:  # else the spool's fill removes it
-            self._made.add_done_callback(retrieved)
+            self._free.add_done_callback(retrieved)
+            self._made.add_done_callback(close_when_opened)
             self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
 
     async def spool(self, size: int | None) -> GrowingFile[BlobInfo]:
         """The spool for a download of size (None: unknown). One that cannot fit is refused
         (InsufficientStorage: a 507 before any headers)."""
-        free = await asyncio.shield(self._made)
+        free = await asyncio.shield(self._free)
         if size is not None:
             self._store.disk.require_room("package", size, free)
         self._taken = True
-        return spool_of(self._store, self._temp, size)
+        return spool_of(self._store, self._temp, size, self._made)
 
 
-def _make_spool_file(disk: DiskSpace, temp: Path) -> int:
-    """Make the empty spool file; the free bytes of the cache disk (blocking)."""
-    temp.touch()
-    return free_bytes(disk.directory)
+def _make_spool_file(temp: Path) -> int:
+    """Make the spool file, open for writing (blocking)."""
+    return os.open(temp, _WRITE_FLAGS | os.O_EXCL, 0o666)
 
 
-def spool_of(store: BlobStore, temp: Path, size: int | None) -> GrowingFile[BlobInfo]:
-    """The spool at temp, to be published to store: its readers' handles are marked in use,
-    and a reader that comes after it was published reads the published blob."""
-    return GrowingFile(temp, size, mark_in_use, lambda final: _published(store, final))
+def spool_of(store: BlobStore, temp: Path, size: int | None,
+             made: asyncio.Future[int] | None = None) -> GrowingFile[BlobInfo]:
+    """The spool at temp (being made: made), to be published to store: its readers' handles
+    are marked in use, and a reader that comes after it was published reads the published
+    blob."""
+    return GrowingFile(temp, size, mark_in_use, lambda final: _published(store, final),
+                       made=made)
 
 
 async def _published(store: BlobStore, final: BlobInfo) -> AsyncIterator[bytes]:
@@ -100,8 +106,12 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
     # Opened while the first chunk goes to the followers (a thread hop less before a cold
     # package's first byte); the spool is written from the first batch on. A spool made
     # already is not made again (a failure that removed it first leaves no file behind).
-    flags = _WRITE_FLAGS if progress is None else _WRITE_FLAGS & ~os.O_CREAT
-    opening: asyncio.Future[int] | None = quick_started(os.open, temp, flags, 0o666)
+    opening: asyncio.Future[int] | None
+    if progress is not None and progress.made is not None:
+        opening = progress.made  # made and opened by its SpoolStart
+    else:
+        flags = _WRITE_FLAGS if progress is None else _WRITE_FLAGS & ~os.O_CREAT
+        opening = quick_started(os.open, temp, flags, 0o666)
     try:
         batch: list[bytes] = []
         batched = 0
@@ -158,6 +168,8 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
         # Synchronous on purpose: this also runs when the fill is cancelled.
         if opening is not None:
             opening.add_done_callback(close_when_opened)  # once open, closed: never leaked
+            if not opening.done():  # a spool still being made: removed once it is
+                opening.add_done_callback(lambda _made: quick_soon(temp.unlink, True))
         if spool is not None:
             spool.close()
             spool = None
