@@ -7,6 +7,7 @@ memory."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import io
 import os
@@ -141,6 +142,27 @@ async def test_a_spool_is_handed_out_before_its_file_is_made(
     assert bytes(followed) == data
     assert blobs.path_of(stored.info.key).read_bytes() == data
     assert not list((tmp_path / "tmp").rglob("*.part"))
+
+
+async def test_a_spool_whose_file_could_not_be_made_is_refused_before_the_headers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Made meanwhile, but not waited for: a failure known by the time upstream answered (no
+    # inode left, no permission) is still an error answer, not a body cut short.
+    tried: list[Path] = []
+
+    def no_inode_left(temp: Path) -> int:
+        tried.append(temp)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_spool, "_make_spool_file", no_inode_left)
+    start = SpoolStart(DiskBlobStore(ArchiveStore(tmp_path)))
+    for _ in range(500):
+        if tried:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # upstream's answer takes longer than that failure
+    with pytest.raises(OSError, match="No space left"):
+        await start.spool(10)
 
 
 async def test_a_fill_that_fails_before_its_spool_file_is_made_leaves_no_file(

@@ -63,6 +63,9 @@ class SpoolStart:
         free = await asyncio.shield(self._free)
         if size is not None:
             self._store.disk.require_room("package", size, free)
+        made = self._made
+        if made.done() and not made.cancelled() and (failed := made.exception()) is not None:
+            raise failed  # no file can be made (no inode left, no permission): before headers
         self._taken = True
         return spool_of(self._store, self._temp, size, self._made)
 
