@@ -60,7 +60,7 @@ async def test_store_publishes_verified_file(tmp_path: Path) -> None:
     stored = await store_package(blobs, KEY, chunks(ZIP), hashlib.sha256(ZIP).hexdigest())
     assert blobs.path_of(stored.info.key).read_bytes() == ZIP
     assert stored.info.size == len(ZIP) and stored.sha256 == hashlib.sha256(ZIP).hexdigest()
-    assert await store.lookup(PARTS) == blobs.path_of(KEY)
+    assert await blobs.stat(KEY) == stored.info
     assert leftovers(tmp_path) == []
 
 
@@ -95,7 +95,7 @@ async def test_failed_store_publishes_nothing(tmp_path: Path, data: bytes,
     expected = hashlib.sha256(data if data != ZIP or fail_after else b"other").hexdigest()
     with pytest.raises(error):
         await store_package(DiskBlobStore(store), KEY, chunks(data, fail_after), expected)
-    assert await store.lookup(PARTS) is None
+    assert await DiskBlobStore(store).stat(KEY) is None
     assert leftovers(tmp_path) == []
 
 

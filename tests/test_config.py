@@ -152,7 +152,7 @@ def test_environment_overrides_and_config_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     (1024, 1024), ("1024", 1024), ("2KiB", 2048), ("3 MB", 3_000_000), ("1GiB", 2**30),
-    ("x", None), (True, None), ("1.5GiB", None),
+    ("x", None), (True, None), ("1.5GiB", None), ("\u0663 MiB", None),  # a Unicode digit
 ])
 def test_sizes_parse_with_units_and_nonsense_is_refused(text: object, expected: int | None) -> None:
     assert parse_size(text) == expected

@@ -20,7 +20,8 @@ def test_newest_matching_picks_the_highest_allowed_version(constraint: str,
     assert newest_matching(VERSIONS, constraint) == expected
 
 
-@pytest.mark.parametrize("bad", ["about 5", ">= 1.2.3abc", "~> 1.x", "~> 1..2", "=> 1.0"])
+@pytest.mark.parametrize("bad", ["about 5", ">= 1.2.3abc", "~> 1.x", "~> 1..2", "=> 1.0",
+                                 ">= 1\u0663"])  # the last: a Unicode digit
 def test_malformed_constraint_is_refused(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_constraint(bad)

@@ -322,13 +322,14 @@ def test_internal_zones_are_normalized_and_invalid_ones_refused(tmp_path: Path) 
 
 # --- the gate git goes through -------------------------------------------------------------
 
-async def connect(port: int, target: str, credentials: str | None) -> bytes:
+async def connect(port: int, target: str, credentials: str | None,
+                  encoding: str = "utf-8") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
     if credentials is not None:
         lines.append("Proxy-Authorization: Basic "
                      + base64.b64encode(credentials.encode()).decode())
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode(encoding))
     status = await reader.readline()
     writer.close()
     return status
@@ -434,6 +435,10 @@ async def test_gate_refuses_a_connect_to_an_invalid_name(
             for host in (LONG_LABEL, "b\u00fc" + "x" * 70 + ".example"):
                 status = await connect(port, f"{host}:443", user_token)
                 assert status.startswith(b"HTTP/1.1 403"), host
+            # A request head is read as latin-1, where byte 0xb9 is "¹": a digit to
+            # str.isdigit, not to int().
+            status = await connect(port, "registry.terraform.io:\u00b9", user_token, "latin-1")
+            assert status.startswith(b"HTTP/1.1 400")
             assert len(session.refusals) == 2
             assert "it is not a valid host name" in session.refusals[0]
             assert session.refusals[1].startswith("refusing the invalid URL")

@@ -118,25 +118,50 @@ async def test_a_spool_is_handed_out_before_its_file_is_made(
     """Making a file can wait on the file system's journal (milliseconds): a cold package's
     headers (its spool handed out) and first bytes do not wait for it. The fill writes the
     file, and a follower that falls behind memory reads it, once it is made."""
-    data = package(3 << 20)
+    data = package(6 << 20)  # more than the fill lets wait for the disk
     made = HeldCalls(store_spool._make_spool_file)
     monkeypatch.setattr(store_spool, "_make_spool_file", made)
+    reads: list[int] = []
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset, flags)
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        reads.append(offset)
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    all_there, gate = asyncio.Event(), asyncio.Event()
+
+    async def held_at_the_end() -> AsyncIterator[bytes]:
+        async for chunk in pieces(data, 16 << 10):
+            yield chunk
+        all_there.set()
+        await gate.wait()  # all there, not yet verified: the follower catches up meanwhile
+
     try:
         async with asyncio.timeout(5):
             spool = await SpoolStart(blobs).spool(len(data))
+            spool._window = 64 << 10  # most of it on disk only, not in memory
             fill = asyncio.create_task(store_package(
-                blobs, KEY, pieces(data, 16 << 10), hashlib.sha256(data).hexdigest(), spool))
-            chunks = spool.chunks()
+                blobs, KEY, held_at_the_end(), hashlib.sha256(data).hexdigest(), spool))
+            chunks = spool.chunks()  # its file opened for it once made
             first = bytes(await chunks.__anext__())  # from memory
         assert first and data.startswith(first)
         assert not spool.temp.exists() and made.started == 1
     finally:
         made.release()
+    await all_there.wait()
     followed = bytearray(first)
-    while len(followed) < len(data) - 1:
-        followed += await chunks.__anext__()
-        await asyncio.sleep(0.001)  # slower than the fill: behind memory, from the file
+    async with asyncio.timeout(20):  # a reader that missed the file would wait for the end
+        while len(followed) < len(data) - 1:  # behind what memory holds: from the file
+            followed += await chunks.__anext__()
+    assert reads and min(reads) == len(first)
+    gate.set()
     followed += b"".join([bytes(chunk) async for chunk in chunks])
     stored = await fill
     assert bytes(followed) == data

@@ -10,6 +10,7 @@ from proxy.core.errors import BadRequest
 from proxy.core.models import (
     Platform,
     ProviderAddress,
+    is_valid_module_version,
     is_valid_version,
     normalize_hostname,
     parse_version,
@@ -65,6 +66,14 @@ def test_invalid_versions(version: str) -> None:
     assert not is_valid_version(version)
     with pytest.raises(BadRequest):
         parse_version(version)
+
+
+@pytest.mark.parametrize(("version", "valid"), [
+    ("v1.2", True), ("1.2.0.1", True), ("1.0.0-beta", True), ("v1\u0663.0", False),
+    ("1.0/../x", False), ("", False),
+])
+def test_module_versions_are_go_version_shaped_and_ascii(version: str, valid: bool) -> None:
+    assert is_valid_module_version(version) is valid
 
 
 def test_version_ordering_follows_semver() -> None:

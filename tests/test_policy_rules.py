@@ -72,7 +72,8 @@ def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "-1", "1y", "", True, -5])
+@pytest.mark.parametrize("text", ["soon", "-1", "1y", "", True, -5,
+                                  "\u0663", "\u0663d"])  # Unicode digits
 def test_bad_durations(text: object) -> None:
     assert parse_duration(text) is None
 

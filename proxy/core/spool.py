@@ -16,6 +16,7 @@ from proxy.core.executors import quick, quick_soon, quick_started
 from proxy.core.file_reads import ChunkReader
 
 F = TypeVar("F")
+T = TypeVar("T")
 
 # Followers behind what is kept in memory read the file in pieces this large (as a cached
 # file is sent: see proxy.web.responses).
@@ -135,7 +136,7 @@ class GrowingFile(Generic[F]):
         one is asked for."""
         # The file is opened meanwhile, for when this reader falls behind what memory holds:
         # the first bytes do not wait for it.
-        opening = self._start_open()
+        opening = self.when_made(self._open)
         reader: ChunkReader | None = None
         offset = 0
         try:
@@ -169,16 +170,18 @@ class GrowingFile(Generic[F]):
         finally:
             opening.add_done_callback(close_when_opened)
 
-    def _start_open(self) -> asyncio.Future[int]:
-        """_open, on the quick pool once the file is made."""
+    def when_made(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """fn() on the quick pool, once the temp file is made (or could not be: its failure
+        is the fill's, and fn just finds no file)."""
         made = self.made
         if made is None or made.done():
-            return quick_started(self._open)
-        return asyncio.ensure_future(self._open_once_made(made))
+            return quick_started(fn)
+        return asyncio.ensure_future(self._once_made(made, fn))
 
-    async def _open_once_made(self, made: asyncio.Future[int]) -> int:
-        await asyncio.wait([made])  # its failure is the fill's: here the file is just not found
-        return await quick(self._open)
+    @staticmethod
+    async def _once_made(made: asyncio.Future[int], fn: Callable[[], T]) -> T:
+        await asyncio.wait([made])
+        return await quick(fn)
 
     def _open(self) -> int:
         """The spool, open for reading and marked in use (blocking): on disk it is the same

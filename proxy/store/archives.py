@@ -225,11 +225,6 @@ class ArchiveStore:
             raise ValueError(f"unsafe artifact path {parts!r}")
         return self.cache_dir.joinpath(*parts)
 
-    async def lookup(self, parts: Sequence[str]) -> Path | None:
-        """The stored file, if present (one stat, on the event loop: see identity)."""
-        path = self.path_for(parts)
-        return path if await self.identity(path) is not None else None
-
     async def identity(self, path: Path) -> FileIdentity | None:
         """The identity of the stored file at path (one stat, a hit's and a miss's first
         call); None if there is none.

@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 
 from proxy.core.errors import UpstreamError
-from proxy.core.executors import quick, quick_soon, quick_started
+from proxy.core.executors import quick, quick_soon
 from proxy.core.singleflight import retrieved
 from proxy.core.spool import GrowingFile
 from proxy.store.file_identity import FileIdentity, identity_of
@@ -97,17 +97,7 @@ class PostedNotice:
     def begin(self, spool: GrowingFile[BlobInfo]) -> None:
         """Post it for spool on a thread, while the download goes on (once the spool's file
         is made: a follower that finds no file follows nothing)."""
-        made = spool.made
-        if made is None or made.done():
-            self._posting = quick_started(self.post, spool)
-        else:
-            self._posting = asyncio.ensure_future(self._post_once_made(spool, made))
-
-    async def _post_once_made(self, spool: GrowingFile[BlobInfo],
-                              made: asyncio.Future[int]) -> None:
-        await asyncio.wait([made])
-        if not made.cancelled() and made.exception() is None:  # else the fill fails
-            await quick(self.post, spool)
+        self._posting = spool.when_made(lambda: self.post(spool))
 
     async def posted(self) -> None:
         """Once begun, wait until it is posted (or could not be)."""
