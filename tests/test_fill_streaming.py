@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.errors import IntegrityError
+from proxy.core.errors import InsufficientStorage, IntegrityError
 from proxy.core.spool import WINDOW, GrowingFile
 from proxy.store import spool as store_spool
 from proxy.store.archives import ArchiveStore
@@ -188,6 +188,30 @@ async def test_a_spool_whose_file_could_not_be_made_is_refused_before_the_header
     await asyncio.sleep(0.05)  # upstream's answer takes longer than that failure
     with pytest.raises(OSError, match="No space left"):
         await start.spool(10)
+
+
+async def test_a_spool_refused_before_its_file_is_made_leaves_no_file_once_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A package that cannot fit is a 507 before its headers: by the time that answer goes
+    # out its spool file is gone, though it was still being made when it was refused.
+    made = HeldCalls(store_spool._make_spool_file)
+    monkeypatch.setattr(store_spool, "_make_spool_file", made)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    made_at_the_end: list[int] = []
+
+    async def refused() -> None:
+        with pytest.raises(InsufficientStorage):
+            async with SpoolStart(blobs) as start:
+                await start.spool(1 << 60)
+        made_at_the_end.append(made.finished)
+
+    refusal = asyncio.create_task(refused())
+    await made.settled(1, quiet=0.05)
+    await asyncio.sleep(0.05)  # the refusal is under way meanwhile
+    made.release()
+    await refusal
+    assert made_at_the_end == [1]
+    assert not list((tmp_path / "tmp").rglob("*.part"))
 
 
 async def test_a_fill_that_fails_before_its_spool_file_is_made_leaves_no_file(

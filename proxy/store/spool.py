@@ -39,7 +39,8 @@ class SpoolStart:
     before a cold package's headers: making a file can wait milliseconds on the file system's
     journal, and the first bytes go to their clients from memory (the fill writes, and
     readers that fall behind read, once it is made). Left without a spool taken from it (the
-    download failed first, or could not fit), its file is removed once made."""
+    download failed first, or could not fit), its file is removed before the block ends (the
+    answer that follows leaves nothing behind), or once made if the block was cancelled."""
 
     def __init__(self, store: BlobStore) -> None:
         self._store = store
@@ -52,10 +53,18 @@ class SpoolStart:
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
-        if not self._taken:  # else the spool's fill removes it
-            self._free.add_done_callback(retrieved)
+        if self._taken:  # the spool's fill removes it
+            return
+        self._free.add_done_callback(retrieved)
+        try:
+            fd = await asyncio.shield(self._made)
+        except asyncio.CancelledError:
             self._made.add_done_callback(close_when_opened)
             self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
+            raise
+        except OSError:
+            return  # never made
+        await asyncio.shield(quick(_discard, fd, self._temp))
 
     async def spool(self, size: int | None) -> GrowingFile[BlobInfo]:
         """The spool for a download of size (None: unknown). One that cannot fit is refused
@@ -68,6 +77,12 @@ class SpoolStart:
             raise failed  # no file can be made (no inode left, no permission): before headers
         self._taken = True
         return spool_of(self._store, self._temp, size, self._made)
+
+
+def _discard(fd: int, temp: Path) -> None:
+    """Close and remove a spool file nobody took (blocking)."""
+    os.close(fd)
+    temp.unlink(missing_ok=True)
 
 
 def _make_spool_file(temp: Path) -> int:
