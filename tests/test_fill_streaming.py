@@ -51,6 +51,34 @@ def spool_fd(fd: int) -> bool:
     return os.readlink(f"/proc/self/fd/{fd}").endswith(".part")
 
 
+def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The offsets of every read of a file from now on (page cache or not)."""
+    reads: list[int] = []
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
+        reads.append(offset)
+        return real_preadv(fd, buffers, offset, flags)
+
+    def pread(fd: int, size: int, offset: int) -> bytes:
+        reads.append(offset)
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    return reads
+
+
+async def held_at_the_end(data: bytes, all_there: asyncio.Event,
+                          gate: asyncio.Event) -> AsyncIterator[bytes]:
+    """A download whose bytes all come, then wait for gate before it ends (all there, not
+    yet verified)."""
+    async for chunk in pieces(data, 16 << 10):
+        yield chunk
+    all_there.set()
+    await gate.wait()
+
+
 async def test_followers_get_bytes_before_they_reach_the_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The disk takes nothing until released: a follower still gets every byte but the
@@ -121,34 +149,17 @@ async def test_a_spool_is_handed_out_before_its_file_is_made(
     data = package(6 << 20)  # more than the fill lets wait for the disk
     made = HeldCalls(store_spool._make_spool_file)
     monkeypatch.setattr(store_spool, "_make_spool_file", made)
-    reads: list[int] = []
-    real_preadv, real_pread = os.preadv, os.pread
-
-    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
-        reads.append(offset)
-        return real_preadv(fd, buffers, offset, flags)
-
-    def pread(fd: int, size: int, offset: int) -> bytes:
-        reads.append(offset)
-        return real_pread(fd, size, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(os, "pread", pread)
+    reads = file_reads(monkeypatch)
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
     all_there, gate = asyncio.Event(), asyncio.Event()
-
-    async def held_at_the_end() -> AsyncIterator[bytes]:
-        async for chunk in pieces(data, 16 << 10):
-            yield chunk
-        all_there.set()
-        await gate.wait()  # all there, not yet verified: the follower catches up meanwhile
 
     try:
         async with asyncio.timeout(5):
             spool = await SpoolStart(blobs).spool(len(data))
             spool._window = 64 << 10  # most of it on disk only, not in memory
             fill = asyncio.create_task(store_package(
-                blobs, KEY, held_at_the_end(), hashlib.sha256(data).hexdigest(), spool))
+                blobs, KEY, held_at_the_end(data, all_there, gate),
+                hashlib.sha256(data).hexdigest(), spool))
             chunks = spool.chunks()  # its file opened for it once made
             first = bytes(await chunks.__anext__())  # from memory
         assert first and data.startswith(first)
@@ -244,28 +255,10 @@ async def test_a_follower_behind_what_memory_holds_reads_the_spool_file(
     temp = blobs.spool_path()
     temp.touch()
     spool: GrowingFile[BlobInfo] = GrowingFile(temp, len(data), window=128 << 10)
-    reads = []
-    real_preadv, real_pread = os.preadv, os.pread
-
-    def preadv(fd: int, buffers: list[Any], offset: int, flags: int = 0) -> int:
-        reads.append(offset)
-        return real_preadv(fd, buffers, offset, flags)
-
-    def pread(fd: int, size: int, offset: int) -> bytes:
-        reads.append(offset)
-        return real_pread(fd, size, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(os, "pread", pread)
+    reads = file_reads(monkeypatch)
     gate, all_there = asyncio.Event(), asyncio.Event()
 
-    async def held_at_the_end() -> AsyncIterator[bytes]:
-        async for chunk in pieces(data, 16 << 10):
-            yield chunk
-        all_there.set()
-        await gate.wait()  # the download is all there but not yet verified
-
-    fill = asyncio.create_task(store_package(blobs, KEY, held_at_the_end(),
+    fill = asyncio.create_task(store_package(blobs, KEY, held_at_the_end(data, all_there, gate),
                                              hashlib.sha256(data).hexdigest(), spool))
     chunks = spool.chunks()
     first = bytes(await chunks.__anext__())  # from memory, as the download starts
