@@ -252,7 +252,8 @@ class ArchiveStore:
     def open_to_send(self, path: Path) -> BinaryIO | None:
         """Open a stored file to send it, marked in use until the handle is closed: eviction
         by any process sharing the cache leaves it alone meanwhile. None if the file is gone
-        (evicted since it was looked up). Blocks: run it in a thread."""
+        (evicted since it was looked up). Quick enough for the event loop (see
+        DiskBlobStore.open): an open and a flock that never waits."""
         try:
             handle = open(path, "rb")
         except FileNotFoundError:

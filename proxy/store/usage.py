@@ -53,7 +53,8 @@ def open_to_check(path: Path) -> BinaryIO | None:
     """Open a stored file, marked in use, for a read that is no use of it (a check of every
     file): its access time, the LRU clock, stays as it was where the system allows
     (O_NOATIME, which Linux refuses for another user's file: then an ordinary open). None if
-    the file is gone. Blocks: run it in a thread."""
+    the file is gone. Quick enough for the event loop: an open and a flock that never
+    waits."""
     flag = getattr(os, "O_NOATIME", 0)
     try:
         try:
