@@ -197,6 +197,24 @@ async def test_a_reader_of_a_replaced_blob_still_reads_the_old_one_whole(
     assert await content(store.blobs, KEY) == DATA
 
 
+async def test_an_open_blob_says_whether_its_close_may_wait(store: OpenedStore) -> None:
+    # A hit closes what it sent on the event loop, unless the close may wait: the last
+    # descriptor of a local file removed meanwhile (evicted, replaced) frees its blocks.
+    await store.blobs.put(KEY, pieces(DATA))
+    reading = await store.blobs.open(KEY)
+    assert reading is not None
+    try:
+        assert reading.quick_to_close()
+        local = store.local_file(KEY)
+        if local is not None:
+            local.unlink()
+            assert not reading.quick_to_close()
+            assert b"".join([chunk async for chunk in reading.chunks()]) == DATA
+    finally:
+        reading.close()
+    assert reading.quick_to_close()  # closed already: nothing left to wait for
+
+
 async def test_concurrent_writers_of_one_key_leave_one_intact_blob(store: OpenedStore) -> None:
     versions = [bytes([n]) * (5000 + n) for n in range(6)]
     await asyncio.gather(*(store.blobs.put(KEY, pieces(data, 700)) for data in versions))

@@ -87,6 +87,10 @@ class MemoryBlob:
             self._closed = True
             self._release()
 
+    def quick_to_close(self) -> bool:
+        """Always: a count in memory."""
+        return True
+
 
 class MemoryBlobStore:
     """Blobs in a dict, least recently used first, within max_size bytes. Spools and work

@@ -84,6 +84,11 @@ class OpenBlob(Protocol):
         """Release it (blocking but quick)."""
         ...
 
+    def quick_to_close(self) -> bool:
+        """Whether close() takes microseconds, so that the event loop may call it: not when
+        it may wait (the last descriptor of a file removed meanwhile frees its blocks)."""
+        ...
+
 
 class BlobStore(Protocol):
     """Immutable blobs by key: published whole or not at all, evicted least recently used."""

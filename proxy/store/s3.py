@@ -151,6 +151,10 @@ class RemoteBlob:
     def close(self) -> None:
         """Nothing held."""
 
+    def quick_to_close(self) -> bool:
+        """Always: nothing held."""
+        return True
+
 
 class S3BlobStore:
     """The BlobStore over a bucket, with hot copies of what was read in a disk store."""

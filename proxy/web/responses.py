@@ -126,9 +126,12 @@ async def send_file(request: web.Request,
                 if local is None else _OpenFileResponse(local, served, answer_headers)
             await sent.prepare(request)
         finally:
-            # Not waited for: the body is sent (or failed), and the handler's end is the
-            # next request's start on a kept connection (the hop took 0.1-1 ms).
-            quick_soon(blob.close)
+            # On the loop: a hop to a thread, even one not waited for, cost a small hit
+            # about half its CPU (wake-ups and GIL hand-overs: 570 against 285 us).
+            if blob.quick_to_close():
+                blob.close()
+            else:
+                quick_soon(blob.close)
         return sent
     raise Unavailable("the file kept leaving the cache before it could be sent (the cache "
                       "is too small for its load); try again")
@@ -269,7 +272,7 @@ class _OpenFileResponse(web.FileResponse, _JsonErrors):
         try:
             return await self._prepare_open_file(request, fobj, st, encoding)
         finally:
-            quick_soon(fobj.close)
+            fobj.close()  # quick: the blob still holds the file open (see send_file)
 
     async def _sendfile(self, request: web.BaseRequest, fobj: IO[Any], offset: int,
                         count: int) -> AbstractStreamWriter:
