@@ -102,7 +102,7 @@ class DiskSpace:
 
     def require_room(self, kind: str, size: int, free: int) -> None:
         """Refuse, before anything is written, a file of `size` bytes that cannot fit in the
-        `free` bytes the caller read (free_bytes, off the loop)."""
+        `free` bytes the caller read (free_bytes: one statvfs)."""
         if size > free:
             raise self.ran_out(kind, size)
 
