@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -77,6 +78,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _interrupted(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the figure groups asked for; print the report and (re)write the output file."""
     args = _arguments(argv)
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                         big=(8 if args.quick else 100) << 20,
                         workers=workers)
     ensure_tools()
+    # A SIGTERM (a timeout, a kill) unwinds like Ctrl-C: the servers started are stopped.
+    signal.signal(signal.SIGTERM, _interrupted)
     load = load_average()  # before the bench itself loads the machine
     progress(report.idle_line(load))
     work = Path(tempfile.mkdtemp(prefix="tfproxy-bench-"))

@@ -101,11 +101,13 @@ def proxy(work: Path, upstream: Upstream, state_dir: Path, cache: Path,
     config.write_text(proxy_config(port, state_dir, cache, upstream.registry, upstream.ca_file,
                                    workers, access_log))
     # ProxyProcess pins one worker through the environment (as tests want): say ours there.
-    # The proxy measured is this checkout's, whatever the current directory.
+    # The proxy measured is this checkout's, whatever the current directory: `python -m`
+    # would put the current directory first on sys.path (another checkout's proxy, when
+    # the bench of one runs from the other's directory) unless told not to.
     path = os.pathsep.join(filter(None, (str(CHECKOUT), os.environ.get("PYTHONPATH"))))
     process = ProxyProcess(config, cache, port, work / f"proxy-{port}.log",
                            env={"TF_REGISTRY_PROXY_SERVER_WORKERS": str(workers),
-                                "PYTHONPATH": path})
+                                "PYTHONPATH": path, "PYTHONSAFEPATH": "1"})
     with process:
         assert process.process is not None
         yield Server(f"proxy ({workers} workers"
