@@ -223,6 +223,11 @@ async def test_a_stored_package_is_sent_and_closed_without_a_thread_job(make: Ma
     first = await client.get(path)  # the fill: from here on a hit
     whole = await first.read()
     assert first.status == 200
+    for _ in range(500):  # the fill's work after the download (its h1 pass) reads the file
+        if not descriptors_of(name):
+            break
+        await asyncio.sleep(0.01)
+    assert descriptors_of(name) == [], "the fill's h1 pass did not end"
     gate = threading.Event()
     jammed = [quick_started(gate.wait, 60.0) for _ in range(2 * default_quick_threads())]
     try:
