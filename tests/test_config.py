@@ -39,7 +39,8 @@ def test_shutdown_timeout_is_read_and_checked(tmp_path: Path) -> None:
     assert load_config(path, environ={}).server.shutdown_timeout == 2.5
     environ = {"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": "7"}
     assert load_config(None, environ=environ).server.shutdown_timeout == 7
-    for bad in ("-1", "0", "soon", "inf"):
+    # float() reads "٣" (Arabic-Indic 3) as 3: numbers are ASCII digits, as everywhere else.
+    for bad in ("-1", "0", "soon", "inf", "\u0663", "1\u0663.5"):
         with pytest.raises(ConfigError) as caught:
             load_config(None, environ={"TF_REGISTRY_PROXY_SERVER_SHUTDOWN_TIMEOUT": bad})
         assert caught.value.problems[0].startswith("server.shutdown_timeout: expected a "), bad

@@ -5,7 +5,6 @@ hits and slow work never share the threads they wait for."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import threading
@@ -21,6 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 import proxy.verification.stored_hashes
+import proxy.web.responses
 from proxy.app import create_app
 from proxy.config import load_config
 from proxy.core.executors import default_quick_threads, quick_started
@@ -211,44 +211,34 @@ async def test_cached_answers_need_nothing_from_the_default_executor(
     assert all(status == 200 for _seconds, status in timings.values()), timings
 
 
-async def test_a_stored_package_is_sent_and_closed_without_a_thread_job(make: Make) -> None:
+async def test_a_stored_package_is_sent_and_closed_without_a_thread_job(
+        make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hit's open, lock, stats and close of a stored package run on the event loop
     (microseconds in a local cache directory, where each hop to a thread and back took
     0.1-0.5 ms before the first byte, and even a hop not waited for cost a small hit about
     half its CPU): with every quick-pool thread taken, its bytes still go out at once
-    (sendfile over plain HTTP), and the file is closed once they are."""
-    name = "terraform-provider-null_3.2.1_linux_amd64.zip"
-    path = f"{MIRROR}/null/{name}"
+    (sendfile over plain HTTP), and nothing is left for a thread to close."""
+    path = f"{MIRROR}/null/terraform-provider-null_3.2.1_linux_amd64.zip"
     client = await make()
     first = await client.get(path)  # the fill: from here on a hit
     whole = await first.read()
     assert first.status == 200
-    for _ in range(500):  # the fill's work after the download (its h1 pass) reads the file
-        if not descriptors_of(name):
-            break
-        await asyncio.sleep(0.01)
-    assert descriptors_of(name) == [], "the fill's h1 pass did not end"
+    handed: list[str] = []
+    real_quick_soon = proxy.web.responses.quick_soon
+
+    def quick_soon(fn: Callable[..., object], *args: object) -> None:
+        handed.append(getattr(fn, "__qualname__", repr(fn)))
+        real_quick_soon(fn, *args)
+
+    monkeypatch.setattr(proxy.web.responses, "quick_soon", quick_soon)
     gate = threading.Event()
     jammed = [quick_started(gate.wait, 60.0) for _ in range(2 * default_quick_threads())]
     try:
         seconds, status = await timed_get(client, path)
-        still_open = descriptors_of(name)
     finally:
         gate.set()
         await asyncio.gather(*jammed)
     assert (status, round(seconds, 3) < HIT_BOUND) == (200, True), \
         f"the hit took {seconds:.3f} s (gave up at {HIT_TIMEOUT} s) behind a taken quick pool"
-    assert still_open == [], "the hit's file was left for a thread to close"
+    assert handed == [], "the hit left closing its file to a thread"
     assert (await (await client.get(path)).read()) == whole
-
-
-def descriptors_of(name: str) -> list[str]:
-    """What this process's open descriptors of files called name are (their targets)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.endswith(f"/{name}"):
-                found.append(target)
-    return found
-

@@ -397,6 +397,8 @@ class _Parser:
     def number(self, where: str, table: dict[str, Any], key: str, default: float) -> float:
         value = table.get(key, default)
         try:
+            if isinstance(value, str) and not value.isascii():
+                raise ValueError(value)  # float() reads other scripts' digits ("٣" as 3)
             number = float(value)
         except (TypeError, ValueError):
             self.problems.append(f"{where}: expected a number of seconds, got {value!r}")
