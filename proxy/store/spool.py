@@ -57,8 +57,7 @@ class SpoolStart:
         try:
             fd = await asyncio.shield(self._made)
         except asyncio.CancelledError:
-            self._made.add_done_callback(close_when_opened)
-            self._made.add_done_callback(lambda _made: quick_soon(self._temp.unlink, True))
+            _remove_once_made(self._made, self._temp)
             raise
         except OSError:
             return  # never made
@@ -78,6 +77,15 @@ class SpoolStart:
             raise failed  # no file can be made (no inode left, no permission): before headers
         self._taken = True
         return spool_of(self._store, self._temp, size, self._made)
+
+
+def _remove_once_made(made: asyncio.Future[int], temp: Path) -> None:
+    """Close and remove the spool file being made: now if it is made, else once it is
+    (synchronous, so that a cancelled block or fill runs it too)."""
+    made.add_done_callback(close_when_opened)
+    if not made.done():
+        made.add_done_callback(lambda _made: quick_soon(temp.unlink, True))
+    temp.unlink(missing_ok=True)
 
 
 def _discard(fd: int, temp: Path) -> None:
@@ -185,14 +193,13 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
             await published(stored)
     except BaseException as exc:
         # Synchronous on purpose: this also runs when the fill is cancelled.
-        if opening is not None:
-            opening.add_done_callback(close_when_opened)  # once open, closed: never leaked
-            if not opening.done():  # a spool still being made: removed once it is
-                opening.add_done_callback(lambda _made: quick_soon(temp.unlink, True))
         if spool is not None:
             spool.close()
             spool = None
-        temp.unlink(missing_ok=True)
+        if opening is not None:  # once open, closed and removed: never leaked
+            _remove_once_made(opening, temp)
+        else:
+            temp.unlink(missing_ok=True)
         error = exc
         if is_out_of_space(exc):
             error = store.disk.ran_out(
