@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,12 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 _READY_WITHIN = 30.0
+# Each bucket is a SeaweedFS collection, which takes a volume slot of its own on its first
+# write. By default weed derives the slot count from the free disk (78 on an 80 GB disk),
+# and a session making a bucket per S3 test came near it: once they were all taken, every
+# put to a new bucket failed with a 500 ("no free volumes left"). A count set here holds on
+# any machine (volumes are not preallocated: a slot costs no disk until it is written).
+VOLUME_SLOTS = 2000
 _STOP_WITHIN = 15.0
 _LISTENERS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port",
@@ -51,6 +58,7 @@ class S3Server:
     access_key: str
     secret_key: str
     region: str = "us-east-1"
+    master_url: str = ""  # weed's own API (volume slots), not S3
 
     def client(self) -> object:
         """A blocking boto3 client (fixtures and checks only: it blocks the loop)."""
@@ -60,6 +68,12 @@ class S3Server:
                             aws_secret_access_key=self.secret_key,
                             config=BotoConfig(retries={"max_attempts": 1},
                                               connect_timeout=2, read_timeout=10))
+
+    def volume_slots(self) -> tuple[int, int]:
+        """weed's volume slots: how many in all, how many free (buckets take them)."""
+        with urllib.request.urlopen(self.master_url + "/dir/status", timeout=10) as answer:
+            topology = json.load(answer)["Topology"]
+        return int(topology["Max"]), int(topology["Free"])
 
     def new_bucket(self) -> str:
         """A fresh, empty bucket."""
@@ -108,7 +122,7 @@ class WeedMini:
             "name": "tests", "credentials": [{"accessKey": access, "secretKey": secret}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         command = [binary, f"-logdir={run / 'logs'}", "mini", f"-dir={run / 'data'}",
-                   "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                   "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-volume.max={VOLUME_SLOTS}",
                    *(f"-{name}={port}" for name, port in ports.items()),
                    "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
                    "-s3.port.lance=0", f"-s3.config={run / 's3.json'}",
@@ -119,7 +133,8 @@ class WeedMini:
         self.process = subprocess.Popen(command, cwd=run, env=env, stdout=subprocess.DEVNULL,
                                         stderr=(run / "logs" / "stderr").open("wb"),
                                         start_new_session=True)
-        server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret)
+        server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret,
+                          master_url=f"http://127.0.0.1:{ports['master.port']}")
         deadline = time.monotonic() + _READY_WITHIN
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
