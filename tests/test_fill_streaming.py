@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from proxy.core.errors import InsufficientStorage, IntegrityError
-from proxy.core.spool import WINDOW, GrowingFile
+from proxy.core.spool import FIRST_READER_WAIT, WINDOW, GrowingFile
 from proxy.store import spool as store_spool
 from proxy.store.archives import ArchiveStore
 from proxy.store.disk import DiskBlobStore
@@ -139,6 +139,40 @@ async def test_a_follower_gets_the_first_chunk_before_the_fill_reads_on(
     followed += b"".join([bytes(chunk) async for chunk in chunks])
     await fill
     assert bytes(followed) == data
+
+
+async def test_a_fill_reads_the_download_once_a_follower_asked_for_bytes(
+        tmp_path: Path) -> None:
+    """The follower's headers go out first (it asks for bytes once they are): until then the
+    fill reads nothing of the download, whose buffered bytes it would go through without
+    giving way. Without a follower it reads after FIRST_READER_WAIT."""
+    data = package(1 << 20)
+    pulled: list[float] = []
+
+    async def download() -> AsyncIterator[bytes]:
+        pulled.append(asyncio.get_running_loop().time())
+        async for chunk in pieces(data):
+            yield chunk
+
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    sha256 = hashlib.sha256(data).hexdigest()
+    spool = await SpoolStart(blobs).spool(len(data))
+    fill = asyncio.create_task(store_package(blobs, KEY, download(), sha256, spool))
+    for _turn in range(50):  # the turns a handler takes to send its headers, and more
+        await asyncio.sleep(0)
+    assert not pulled
+    chunks = spool.chunks()
+    followed = bytearray(await chunks.__anext__())
+    assert pulled
+    followed += b"".join([bytes(chunk) async for chunk in chunks])
+    await fill
+    assert bytes(followed) == data
+
+    pulled.clear()
+    alone = await SpoolStart(blobs).spool(len(data))
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(store_package(blobs, KEY + ".2", download(), sha256, alone), 10)
+    assert FIRST_READER_WAIT * 0.9 <= pulled[0] - started < FIRST_READER_WAIT + 1
 
 
 async def test_a_spool_is_handed_out_before_its_file_is_made(

@@ -6,6 +6,7 @@ business (see proxy.store.spool)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -25,6 +26,12 @@ _CHUNK = 64 << 10
 # sent on from there (no write to disk and read back per follower). A follower that falls
 # further behind reads the file, so memory stays bounded whatever the followers do.
 WINDOW = 4 << 20
+# How long a fill waits for its first reader to ask for bytes before it reads the download:
+# the reader's headers are out by then, and nothing of the fill (its reads of upstream's
+# buffered bytes, its threads) competed with them for this process. Whoever started the fill
+# reads at once; a fill nobody reads here (a HEAD request, a client that left) starts late
+# by this much.
+FIRST_READER_WAIT = 0.05
 
 
 def _not_readable(_final: object) -> AsyncIterator[bytes]:
@@ -58,6 +65,7 @@ class GrowingFile(Generic[F]):
         self._recent: deque[tuple[int, bytes]] = deque()
         self._recent_bytes = 0
         self._window = window
+        self._asked = asyncio.Event()  # a reader asked for bytes: its headers are out
 
     def _wake(self) -> None:
         self._changed.set()
@@ -103,6 +111,14 @@ class GrowingFile(Generic[F]):
                 return memoryview(chunk)[offset - start:end - start]
         return None
 
+    async def first_reader(self, within: float = FIRST_READER_WAIT) -> None:
+        """Return once a reader asked for bytes, or after `within` seconds."""
+        if self._asked.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._asked.wait()
+
     def complete(self, final: F) -> None:
         """Verified and published as final."""
         self.final = final
@@ -134,6 +150,7 @@ class GrowingFile(Generic[F]):
         The last byte is held back until the file verified, so a reader of a bad download
         never receives a complete body. A chunk must be sent (or copied) before the next
         one is asked for."""
+        self._asked.set()
         # The file is opened meanwhile, for when this reader falls behind what memory holds:
         # the first bytes do not wait for it.
         opening = self.when_made(self._open)

@@ -143,6 +143,11 @@ async def store_package(store: BlobStore, key: str, chunks: AsyncIterator[bytes]
         batch: list[bytes] = []
         batched = 0
         batch_started = 0.0
+        if progress is not None:
+            # The first reader's headers before the download's bytes: reading what upstream
+            # buffered does not give way, and a cold package's first byte (the headers, for a
+            # client) waited milliseconds behind it on a busy machine.
+            await progress.first_reader()
         async for chunk in chunks:
             if progress is not None:
                 progress.arrived(chunk)  # followers have it from memory now
