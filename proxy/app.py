@@ -12,6 +12,7 @@ from aiohttp import web
 from proxy.config import Config
 from proxy.config.filters import Filters
 from proxy.config.settings import CacheConfig
+from proxy.core import siblings
 from proxy.core.activity import Activity
 from proxy.core.activity_share import SnapshotShare
 from proxy.core.audit import AuditLog
@@ -41,6 +42,7 @@ from proxy.upstream.module_registry import ModuleRegistryClient
 from proxy.upstream.module_sources import ModuleSourceFetcher
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.upstream.releases import ReleasesClient
+from proxy.upstream.warm_connections import ConnectionWarmer
 from proxy.verification.package_fills import PackageFills
 from proxy.verification.packages import VerifiedPackages
 from proxy.verification.release_times import ReleaseTimes
@@ -170,6 +172,11 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     session = make_session(config.upstream, egress)
     opened.push_async_callback(close_session, session)
     http = UpstreamHTTP(session, config.upstream, metrics, egress, activity)
+    # Connections opened ahead of the zips that documents announce, here and in the other
+    # workers (one of them may accept the zip's connection).
+    warmer = ConnectionWarmer(http, siblings.joined(), metrics.connections_warmed)
+    warmer.listen()
+    opened.push_async_callback(warmer.close)
     if config.auth.oidc:
         app[OIDC_KEY] = OidcVerifier(
             config.auth.oidc,
@@ -178,7 +185,8 @@ async def _open_resources(app: web.Application, config: Config, metrics: Metrics
     filters = Filters(config.filters, config.upstream)
     discovery = Discovery(http, config.upstream, filters)
     packages = VerifiedPackages(ProviderRegistryClient(http, discovery), cache,
-                                config.upstream, metrics, filters, activity, times)
+                                config.upstream, metrics, filters, activity, times,
+                                expect_download=warmer.expect)
     opened.push_async_callback(packages.close)
     if quick_answers is not None:  # a VERSION.json kept may lack what was just verified
         packages.on_save(lambda _provider, _version: quick_answers.clear())

@@ -120,6 +120,67 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
     assert not list((cache / "tmp").glob(f"p{killed}-*"))
 
 
+def _connections_to(pid: int, remote_port: int) -> int:
+    """How many established TCP connections pid holds to remote_port (on loopback)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].rpartition(":")[2], 16) == remote_port and fields[3] == "01":
+            inodes.add(f"socket:[{fields[9]}]")
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd) in inodes
+        except OSError:
+            continue
+    return count
+
+
+def test_a_zip_a_document_announced_finds_a_connection_to_upstream_in_every_worker(
+        tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
+    """VERSION.json names packages the cache lacks: the client asks for one next, on a new
+    connection any worker may accept. The worker that answered tells the other, which opens
+    a connection to the download's host ahead of it; the zip's fill goes out on that one."""
+    port = free_port()
+    cache = tmp_path / "cache"
+    proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
+                         tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+    with proxy:
+        assert proxy.process is not None
+        context = ssl.create_default_context(cafile=str(proxy.ca_file))
+        workers = worker_pids(proxy.process.pid)
+        assert len(workers) == 2
+        client = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+        client.request("GET", "/mirror/registry.terraform.io/hashicorp/null/3.2.1.json")
+        assert client.getresponse().read()
+        [other] = [pid for pid in workers
+                   if pid != _serving(workers, client.sock.getsockname()[1])]
+        client.close()
+        deadline = time.monotonic() + 10
+        while _connections_to(other, registry.port) < 1:
+            assert time.monotonic() < deadline, "the other worker opened no connection"
+            time.sleep(0.05)
+        assert _connections_to(other, registry.port) == 1
+        for _attempt in range(50):  # the zip on a new connection, as Terraform asks for it
+            client = http.client.HTTPSConnection("127.0.0.1", port, timeout=10,
+                                                 context=context)
+            client.connect()
+            if _serving(workers, client.sock.getsockname()[1]) == other:
+                break
+            client.close()
+        else:
+            raise AssertionError("no connection reached the other worker")
+        client.request("GET", archive_path("linux_amd64"))
+        answer = client.getresponse()
+        release = registry.releases[("hashicorp", "null", "3.2.1")]
+        assert (answer.status, answer.read()) == (200, release.zips["linux_amd64"])
+        client.close()
+        assert _connections_to(other, registry.port) == 1  # the zip went out on it
+        metrics = proxy.get("/metrics").decode()
+        assert sample(metrics, "tfproxy_upstream_connections_warmed_total",
+                      outcome="opened") == 1
+
+
 def test_a_second_proxy_on_a_port_in_use_is_refused_and_the_first_serves_alone(
         tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
     """SO_REUSEPORT lets a proxy's own workers share its port, and must not let another

@@ -29,6 +29,7 @@ from proxy.cli.logs import configure_server_logging
 from proxy.cli.messages import fail
 from proxy.cli.server import run_loop, run_server
 from proxy.config import Config
+from proxy.core import siblings
 from proxy.core.shared_metrics import (
     count_restart,
     register_worker,
@@ -66,9 +67,12 @@ def serve_workers(config: Config, generated_ca: Path | None) -> int:
                     f"(TMPDIR): {exc.strerror or exc}")
     forked = multiprocessing.get_context("fork")
     _share_imports(config)
+    # Kept here for the life of the service: a worker started again joins the same ones.
+    channels = siblings.make(config.server.workers)
 
     def worker(index: int) -> ForkProcess:
-        return forked.Process(target=_worker_main, args=(config, generated_ca, index),
+        return forked.Process(target=_worker_main,
+                              args=(config, generated_ca, index, channels),
                               name=f"worker-{index}")
 
     workers = [worker(index) for index in range(config.server.workers)]
@@ -212,8 +216,10 @@ def _share_imports(config: Config) -> None:
     gc.freeze()
 
 
-def _worker_main(config: Config, generated_ca: Path | None, index: int) -> None:
+def _worker_main(config: Config, generated_ca: Path | None, index: int,
+                 channels: siblings.Channels) -> None:
     take_own_signals()
+    siblings.join(channels, index)
     # prometheus_client chose its value class when the parent imported it, before the
     # shared metrics directory existed: choose again, now that it does.
     prometheus_values.ValueClass = prometheus_values.get_value_class()  # type: ignore[no-untyped-call]

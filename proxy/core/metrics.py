@@ -122,6 +122,9 @@ class Metrics:
         self.upstream_latency = Histogram("tfproxy_upstream_request_duration_seconds",
                                           "Upstream request latency.", ["host"],
                                           registry=registry)
+        self.connections_warmed = counter(
+            "tfproxy_upstream_connections_warmed", "Connections to upstream opened ahead of a "
+            "download a document announced (opened, failed).", "outcome")
         self.upstream_bytes = counter("tfproxy_upstream_fetched_bytes",
                                       "Bytes fetched from upstream.", "kind")
         self.integrity_failures = counter("tfproxy_integrity_failures",
@@ -211,6 +214,8 @@ class Metrics:
                 self.aborted_responses.labels(route, reason)
         for disk_kind in DISK_FULL_KINDS:
             self.disk_full.labels(disk_kind)
+        for outcome in ("opened", "failed"):
+            self.connections_warmed.labels(outcome)
 
     def _exported_registry(self) -> CollectorRegistry:
         """What /metrics shows: this registry plus the version and this process's resources;

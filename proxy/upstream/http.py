@@ -44,6 +44,13 @@ _CHUNK = 1 << 16
 _DOWNLOAD_BUFFER = 1 << 20
 _WRITE_SIZE = 1 << 20  # what a download to a file writes at a time
 USER_AGENT = "tf-registry-proxy/0.1"
+# How long an idle connection to upstream is kept for the next request (aiohttp's default,
+# named here: warm_connection counts on it).
+KEEPALIVE_SECONDS = 15.0
+# An origin this process exchanged with this recently still has a connection in the pool
+# (most likely: upstream may close idle ones sooner): warming one would add a second.
+_RECENTLY_USED = KEEPALIVE_SECONDS * 2 / 3
+_MOST_ORIGINS = 256  # origins whose last exchange is remembered (the oldest forgotten)
 
 
 def make_ssl_context(config: UpstreamConfig) -> ssl.SSLContext:
@@ -59,7 +66,8 @@ def make_session(config: UpstreamConfig, egress: EgressPolicy) -> aiohttp.Client
     not read the environment (trust_env would send ~/.netrc credentials to any host that
     asks): each request names its HTTPS_PROXY itself (see UpstreamHTTP._open)."""
     connector = aiohttp.TCPConnector(ssl=make_ssl_context(config), limit=64,
-                                     ttl_dns_cache=60, resolver=GuardedResolver(egress))
+                                     ttl_dns_cache=60, resolver=GuardedResolver(egress),
+                                     keepalive_timeout=KEEPALIVE_SECONDS)
     # Bytes are verified and served exactly as published: ask for no content coding at all
     # (aiohttp would otherwise offer gzip) and refuse answers that use one anyway.
     return aiohttp.ClientSession(
@@ -100,6 +108,7 @@ class UpstreamHTTP:
         self._metrics = metrics
         self.egress = egress
         self.activity = activity
+        self._last_used: dict[str, float] = {}  # origin (scheme://netloc) -> monotonic time
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         # sock_read catches a stalled transfer long before the total deadline; a package
@@ -177,8 +186,44 @@ class UpstreamHTTP:
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"cannot reach upstream {origin}: {_describe(exc)}") from None
         finally:
+            self._note_used(origin_of(url))
             self._metrics.upstream_requests.labels(origin, outcome).inc()
             self._metrics.upstream_latency.labels(origin).observe(time.monotonic() - started)
+
+    async def warm_connection(self, origin: str) -> bool:
+        """Open a connection to `origin` (https://host[:port]) and leave it idle in the pool
+        for the download expected there next (see proxy.upstream.warm_connections); whether
+        it did. Nothing is sent on it. Not offline, not through an outbound proxy, not when
+        an exchange with origin ended moments ago (its connection is still there); the
+        egress policy applies as to any request (UpstreamError when it refuses)."""
+        if self._config.offline or outbound_proxy(origin) is not None:
+            return False
+        used = self._last_used.get(origin)
+        if used is not None and time.monotonic() - used < _RECENTLY_USED:
+            return False
+        _require_https(origin)
+        await self.egress.check_target(origin)
+        connector = self._session.connector
+        assert connector is not None  # the session owns one (make_session)
+        # aiohttp has no public call for this: a connection is made for a request, which is
+        # never sent. Released at once, it waits in the pool under the key of any GET to
+        # origin (same host, port, TLS settings and no proxy).
+        request = aiohttp.ClientRequest("GET", URL(origin), loop=asyncio.get_running_loop(),
+                                        ssl=True)
+        timeout = aiohttp.ClientTimeout(total=self._config.connect_timeout,
+                                        sock_connect=self._config.connect_timeout)
+        connection = await connector.connect(request, [], timeout)
+        connection.release()
+        self._note_used(origin)
+        return True
+
+    def _note_used(self, origin: str | None) -> None:
+        if origin is None:
+            return
+        self._last_used.pop(origin, None)  # the newest last
+        self._last_used[origin] = time.monotonic()
+        if len(self._last_used) > _MOST_ORIGINS:
+            del self._last_used[next(iter(self._last_used))]
 
     async def get(self, url: str, origin: str, max_bytes: int,
                   accept: str = "application/json", authenticate: bool = False) -> Fetched:
@@ -272,6 +317,22 @@ def _redirect_target(url: str, location: str, origin: str) -> str:
         return urljoin(url, location)
     except ValueError:
         raise UpstreamError(f"upstream {origin} redirected to an invalid URL") from None
+
+
+def origin_of(url: str) -> str | None:
+    """https://host[:port] of an https URL (no credentials, path or query; the default port
+    left out), else None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # e.g. an unclosed IPv6 bracket from a hostile redirect
+        return None
+    host = parts.hostname
+    if parts.scheme != "https" or not host or parts.username or parts.password:
+        return None
+    if ":" in host:
+        host = f"[{host}]"
+    return f"https://{host}" + (f":{port}" if port is not None and port != 443 else "")
 
 
 def _require_https(url: str) -> None:

@@ -36,7 +36,7 @@ from proxy.upstream.documents import (
     parse_sha256sums,
     without_upstream_urls,
 )
-from proxy.upstream.http import Download
+from proxy.upstream.http import Download, origin_of
 from proxy.upstream.provider_registry import ProviderRegistryClient
 from proxy.verification.integrity import reported
 from proxy.verification.noted_downloads import note_download, noted_download, reusable_url
@@ -88,8 +88,11 @@ class VerifiedPackages:
 
     def __init__(self, registry: ProviderRegistryClient, cache: MetadataIndex,
                  config: UpstreamConfig, metrics: Metrics, filters: Filters,
-                 activity: Activity, release_times: ReleaseTimes | None = None) -> None:
+                 activity: Activity, release_times: ReleaseTimes | None = None,
+                 expect_download: Callable[[str], None] = lambda _origin: None) -> None:
         self._registry = registry
+        # Told the origin of a zip a client is about to ask for (see _fill_package).
+        self._expect_download = expect_download
         self._times = release_times
         self.filters = filters
         self._cache = cache
@@ -331,7 +334,10 @@ class VerifiedPackages:
         # The zip is usually asked for next (Terraform: right after VERSION.json, on a new
         # connection that another process may accept): the document is held for this
         # process's fill, and noted in the record for another's. A URL with a query may carry
-        # a signature (S3, GCS, Azure, a token): asked for anew.
+        # a signature (S3, GCS, Azure, a token): asked for anew. Whichever process takes the
+        # zip finds a connection to its host ready (proxy.upstream.warm_connections).
+        if fetched and (origin := origin_of(info.download_url)) is not None:
+            self._expect_download(origin)
         if fetched and note_download(record, info):
             keep_recent(self._used_notes, key, time.monotonic(), HELD_RECENT)
         await self._cache.set(key, record)
