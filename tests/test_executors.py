@@ -4,13 +4,19 @@ long as the apps on the loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from proxy.config.settings import CacheConfig
 from proxy.core.executors import quick, quick_soon, serving, slow
+from proxy.core.metrics import Metrics
+from proxy.store.disk import open_disk_storage
+from proxy.store.index import MetadataCache
 from tests.support.held_work import HeldCalls
 
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -60,3 +66,24 @@ async def test_cleanup_handed_over_after_the_pools_shut_down_runs_at_once() -> N
         pools.shutdown()
         quick_soon(done.append, 1)
     assert done == [1]
+
+
+async def test_a_starting_disk_store_opens_the_index_on_every_quick_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the first request: a fresh worker's first cold package waited for a quick
+    thread to start and for that thread's SQLite connection."""
+    opened_on: list[str] = []
+    real = MetadataCache.open_here
+
+    def open_here(index: MetadataCache) -> None:
+        opened_on.append(threading.current_thread().name)
+        real(index)
+
+    monkeypatch.setattr(MetadataCache, "open_here", open_here)
+    async with serving(quick_threads=3), contextlib.AsyncExitStack() as opened:
+        await open_disk_storage(CacheConfig(dir=tmp_path / "cache"), Metrics(), opened)
+        assert len(set(opened_on)) == 3
+        assert all(name.startswith("proxy-quick") for name in opened_on)
+        async with contextlib.AsyncExitStack() as again:  # another app on the loop: once
+            await open_disk_storage(CacheConfig(dir=tmp_path / "cache"), Metrics(), again)
+        assert len(opened_on) == 3

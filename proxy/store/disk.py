@@ -17,7 +17,7 @@ from typing import BinaryIO
 import aiofiles
 
 from proxy.config.settings import CacheConfig
-from proxy.core.executors import quick, slow
+from proxy.core.executors import on_each_quick_thread, quick, slow
 from proxy.core.metrics import Metrics
 from proxy.store.archives import ArchiveStore, FillLock
 from proxy.store.damage import Dropped
@@ -332,6 +332,8 @@ async def open_disk_storage(config: CacheConfig, metrics: Metrics,
         await blobs.files.evict()
     index = MetadataCache(index_dir(cache_dir), disk)
     opened.callback(index.close)
+    # Before the first request: its index reads find their threads and connections ready.
+    await on_each_quick_thread(index.open_here)
     return Storage(MeteredBlobStore(blobs, "disk", metrics), MeteredIndex(index, "disk", metrics))
 
 

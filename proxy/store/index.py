@@ -29,6 +29,11 @@ class MetadataCache:
         # Records are small; the size limit is for archives, which live outside diskcache.
         self._cache = diskcache.Cache(str(directory), size_limit=2**40, eviction_policy="none")
 
+    def open_here(self) -> None:
+        """Open this thread's connection to the index now (blocking; diskcache opens one per
+        thread on first use): see proxy.core.executors.on_each_quick_thread."""
+        self._cache.get("")
+
     async def get(self, key: str) -> dict[str, Any] | None:
         """The record at key, or None."""
         value = await quick(self._cache.get, key)
