@@ -38,6 +38,10 @@ ENCODING, ERRORS = "utf-8", "backslashreplace"
 # a batch wakes the thread, which then wants the GIL (per loop iteration, that switching
 # costs more than building the lines).
 HAND_OVER_SECONDS = 0.02
+# Lines made per loop callback when a batch is handed over: a busy worker's 20 ms of lines
+# (several hundred) made in one callback held the loop about a millisecond, which showed in
+# the p99 latency of kept answers (1.3 ms over the access log off, one worker).
+MAKE_AT_ONCE = 64
 # How often drops are reported (a WARNING line through the ordinary log).
 REPORT_SECONDS = 60.0
 # How long a clean stop waits for the lines to be written (within the margin a worker's
@@ -55,6 +59,10 @@ class BatchedLineWriter:
         self._backlog_size = backlog_size
         self._encoding, self._errors = encoding, errors
         self._pending: list[Line] = []
+        # Lines handed over, being made a few per loop callback, in order; and those made.
+        self._unmade: list[Line] = []
+        self._ready: list[str] = []
+        self._making = False
         # Batches with their size in characters.
         self._handed: queue.SimpleQueue[tuple[list[str], int] | None] = queue.SimpleQueue()
         # Characters handed over and written, counted by one thread each: their difference
@@ -92,12 +100,34 @@ class BatchedLineWriter:
             loop.call_later(HAND_OVER_SECONDS, self._hand_over)
         self._pending.append(line)
 
-    def _hand_over(self) -> None:
-        pending, self._pending = self._pending, []
+    def _hand_over(self, at_once: bool = False) -> None:
+        """Make the pending lines (MAKE_AT_ONCE per loop callback, unless at_once or off a
+        loop), then hand them to the writer thread as one batch, in the order added."""
+        self._unmade.extend(self._pending)
+        self._pending = []
+        if at_once:
+            self._make_some(at_once=True)
+        elif not self._making:
+            self._making = True
+            self._make_some()
+
+    def _make_some(self, at_once: bool = False) -> None:
+        if at_once or not _on_a_loop():
+            unmade, self._unmade = self._unmade, []
+        else:
+            unmade, self._unmade = self._unmade[:MAKE_AT_ONCE], self._unmade[MAKE_AT_ONCE:]
         try:
-            batch = [_made(line) for line in pending]
+            made = [_made(line) for line in unmade]
         except Exception:  # a line that cannot be made costs that line only
-            batch = self._made_one_by_one(pending)
+            made = self._made_one_by_one(unmade)
+        self._ready.extend(made)
+        if self._unmade:
+            asyncio.get_running_loop().call_soon(self._make_some)  # its other lines next
+            return
+        self._making = False
+        batch, self._ready = self._ready, []
+        if not batch:
+            return
         size = sum(len(line) for line in batch)
         if self._handed_size - self._written_size + size > self._backlog_size:
             self._refused += len(batch)  # reported by the writer thread once it gets through
@@ -134,16 +164,16 @@ class BatchedLineWriter:
     def flush(self) -> None:
         """Hand over what is queued now, without waiting for it to be written (the thread
         writes it at once; the output is not reopened, so there is nothing to wait for)."""
-        if self._pending:
-            self._hand_over()
+        if self._pending or self._unmade:
+            self._hand_over(at_once=True)
 
     def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Write out everything queued, then stop the thread (idempotent); a stuck output
         gets at most timeout."""
         if self._closed:
             return
-        if self._pending:
-            self._hand_over()
+        if self._pending or self._unmade:
+            self._hand_over(at_once=True)
         self._closed = True
         if self._thread is not None and self._thread.is_alive():
             self._handed.put(_STOP)
@@ -195,6 +225,14 @@ class BatchedLineWriter:
                     continue
                 self._lost += lines
                 return
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _made(line: Line) -> str:
