@@ -55,6 +55,14 @@ def test_workers_share_one_port_and_one_cache(
             time.sleep(0.1)
 
 
+def _two_workers(tmp_path: Path, write_config: Callable[..., Path]) -> ProxyProcess:
+    """A proxy of two worker processes on tmp_path/cache (not started)."""
+    port = free_port()
+    cache = tmp_path / "cache"
+    return ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
+                        tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+
+
 def _serving(pids: list[int], client_port: int) -> int:
     """Which of pids holds the server side of the client's connection from client_port."""
     inodes = set()
@@ -76,15 +84,13 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_never_notice(
         tmp_path: Path, write_config: Callable[..., Path], registry: FakeRegistry) -> None:
     """An OOM kill of one worker: the parent starts another (as gunicorn and nginx do), logs
     and counts it; the service goes on, and a client of the other worker sees nothing."""
-    port = free_port()
     cache = tmp_path / "cache"
-    proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
-                         tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+    proxy = _two_workers(tmp_path, write_config)
     with proxy:
         assert proxy.process is not None
         workers = worker_pids(proxy.process.pid)
         assert len(workers) == 2
-        client = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=(
+        client = http.client.HTTPSConnection("127.0.0.1", proxy.port, timeout=10, context=(
             ssl.create_default_context(cafile=str(proxy.ca_file))))
         client.request("GET", "/healthz")
         assert client.getresponse().read() == b'{"status":"ok"}'
@@ -141,10 +147,8 @@ def test_a_zip_a_document_announced_finds_a_connection_to_upstream_in_every_work
     """VERSION.json names packages the cache lacks: the client asks for one next, on a new
     connection any worker may accept. The worker that answered tells the other, which opens
     a connection to the download's host ahead of it; the zip's fill goes out on that one."""
-    port = free_port()
-    cache = tmp_path / "cache"
-    proxy = ProxyProcess(write_config(cache_dir=cache, port=port), cache, port,
-                         tmp_path / "proxy.log", env={"TF_REGISTRY_PROXY_SERVER_WORKERS": "2"})
+    proxy = _two_workers(tmp_path, write_config)
+    port = proxy.port
     with proxy:
         assert proxy.process is not None
         context = ssl.create_default_context(cafile=str(proxy.ca_file))
