@@ -25,7 +25,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.cli.logs import JsonLineFormatter
-from proxy.core.line_writer import CHUNK_BYTES, MAKE_AT_ONCE, BatchedLineWriter
+from proxy.core.line_writer import CHUNK_BYTES, MAKE_AT_ONCE, MOST_TURNS, BatchedLineWriter
 from proxy.core.redaction import mask_secrets
 from proxy.web import access_log
 from proxy.web.access_log import (
@@ -171,11 +171,13 @@ async def test_a_line_is_made_with_its_batch_not_while_its_request_is_answered(
     assert written[3] == "a line made already"
 
 
+@pytest.mark.parametrize("count", [MOST_TURNS * MAKE_AT_ONCE - 5, 40 * MAKE_AT_ONCE])
 async def test_a_busy_batch_is_made_a_few_lines_per_loop_turn_and_written_whole(
-        tmp_path: Path) -> None:
+        tmp_path: Path, count: int) -> None:
     """Several hundred lines made in one callback held the loop about a millisecond (the p99
-    of kept answers): the loop gets its turns between every MAKE_AT_ONCE lines, and the
-    batch still goes out in one write, in the order the lines were added."""
+    of kept answers): the loop gets its turns between every MAKE_AT_ONCE lines (a bigger
+    batch: in MOST_TURNS turns, so that making keeps up with any load); the batch still
+    goes out in one write, and lines added meanwhile follow it, in the order added."""
     turns = 0
     ticking = True
 
@@ -194,19 +196,26 @@ async def test_a_busy_batch_is_made_a_few_lines_per_loop_turn_and_written_whole(
     out = tmp_path / "out"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT)
     writer = BatchedLineWriter(fd)
-    count = 10 * MAKE_AT_ONCE + 3
     try:
         for number in range(count):
             writer.add((make, number))
         tick()
-        await asyncio.sleep(0.2)  # handed over, made, written
+        for _poll in range(5000):  # until the batch is being made: what comes then is next
+            if made_at:
+                break
+            await asyncio.sleep(0.001)
+        assert made_at
+        writer.add((make, count))
+        await asyncio.sleep(0.2)  # both handed over, made, written
     finally:
         ticking = False
         writer.close()
         os.close(fd)
-    assert out.read_text() == "".join(f"line {number}\n" for number in range(count))
-    per_turn = [made_at.count(turn) for turn in sorted(set(made_at))]
-    assert len(per_turn) == 11 and max(per_turn) == MAKE_AT_ONCE
+    assert out.read_text() == "".join(f"line {number}\n" for number in range(count + 1))
+    first = made_at[:count]
+    per_turn = [first.count(turn) for turn in sorted(set(first))]
+    assert len(per_turn) == MOST_TURNS
+    assert max(per_turn) == max(MAKE_AT_ONCE, -(-count // MOST_TURNS))
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])

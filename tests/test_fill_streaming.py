@@ -175,6 +175,42 @@ async def test_a_fill_reads_the_download_once_a_follower_asked_for_bytes(
     assert FIRST_READER_WAIT * 0.9 <= pulled[0] - started < FIRST_READER_WAIT + 1
 
 
+async def test_a_fill_cancelled_while_it_waits_for_its_first_reader_leaves_nothing(
+        tmp_path: Path) -> None:
+    """A shutdown during the wait: the spool's file is closed and removed, and a reader
+    that comes then is told the fill failed (it never hangs on bytes that will not come)."""
+    data = package(1 << 16)
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool = await SpoolStart(blobs).spool(len(data))
+    fill = asyncio.create_task(store_package(blobs, KEY, pieces(data),
+                                             hashlib.sha256(data).hexdigest(), spool))
+    await asyncio.sleep(FIRST_READER_WAIT / 5)  # waiting for a reader
+    fill.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fill
+    for _ in range(500):
+        if not spool.temp.exists():
+            break
+        await asyncio.sleep(0.01)
+    assert not spool.temp.exists()
+    try:
+        await asyncio.wait_for(spool.chunks().__anext__(), 5)
+    except TimeoutError:
+        raise AssertionError("a reader waits for bytes that will not come") from None
+    except BaseException:  # the fill's end (its cancellation), as every reader learns it
+        pass
+    else:
+        raise AssertionError("a reader got bytes of a cancelled fill")
+
+
+async def test_a_fill_waits_for_its_first_reader_once() -> None:
+    spool: GrowingFile[BlobInfo] = GrowingFile(Path("/nonexistent"), None)
+    started = asyncio.get_running_loop().time()
+    await spool.first_reader(0.05)
+    await spool.first_reader(0.05)  # the notice's wait, after the download's: not again
+    assert asyncio.get_running_loop().time() - started < 0.09
+
+
 async def test_a_spool_is_handed_out_before_its_file_is_made(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Making a file can wait on the file system's journal (milliseconds): a cold package's

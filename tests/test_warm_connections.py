@@ -126,7 +126,8 @@ def test_an_origin_is_scheme_host_and_port_of_an_https_url_and_nothing_else() ->
     assert origin_of("https://example.org:8443/x") == "https://example.org:8443"
     assert origin_of("https://[::1]:8443/x") == "https://[::1]:8443"
     for refused in ("http://example.org/x", "https://user:pw@example.org/x", "https:///x",
-                    "https://[::1/x", "example.org"):
+                    "https://[::1/x", "example.org", "https://a\ud800b.example/x.zip",
+                    "https://bücher.example/x.zip"):
         assert origin_of(refused) is None, refused
 
 
@@ -163,3 +164,21 @@ async def test_workers_tell_each_other_and_each_warms_an_origin_once_in_a_while(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_hint_that_cannot_be_sent_fails_nothing(
+        upstream_http: Callable[..., UpstreamHTTP]) -> None:
+    """A download document is upstream's input: whatever its URL holds, the request that
+    fetched it goes on (a lone surrogate once raised out of the hint's encoding)."""
+    channels = siblings.make(2)
+    warmer = ConnectionWarmer(upstream_http(), siblings.Siblings(
+        channels.inboxes[0], (channels.outboxes[1],)), Metrics().connections_warmed)
+    try:
+        warmer.expect("https://a\ud800b.example")
+        siblings.Siblings(None, (channels.outboxes[1],)).tell(CONNECT, "https://a\ud800b.x")
+        channels.inboxes[1].setblocking(False)
+        with pytest.raises(BlockingIOError):
+            channels.inboxes[1].recv(600)  # nothing was sent
+    finally:
+        await warmer.close()
+        channels.inboxes[1].close()

@@ -54,7 +54,10 @@ class Siblings:
 
     def tell(self, kind: str, value: str) -> None:
         """Send `kind value` to every other worker; dropped where it does not fit now."""
-        message = f"{kind} {value}".encode()
+        try:  # what a message names is ASCII (an origin: IDNA); anything else is not one
+            message = f"{kind} {value}".encode("ascii")
+        except UnicodeEncodeError:
+            return
         if len(message) > MOST_BYTES or "\n" in value:
             return
         for outbox in self._outboxes:

@@ -6,7 +6,6 @@ business (see proxy.store.spool)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -112,12 +111,15 @@ class GrowingFile(Generic[F]):
         return None
 
     async def first_reader(self, within: float = FIRST_READER_WAIT) -> None:
-        """Return once a reader asked for bytes, or after `within` seconds."""
+        """Return once a reader asked for bytes, or after `within` seconds (then at once
+        from then on: whoever waits for this waits once)."""
         if self._asked.is_set():
             return
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(within):
                 await self._asked.wait()
+        except TimeoutError:
+            self._asked.set()
 
     def complete(self, final: F) -> None:
         """Verified and published as final."""

@@ -95,9 +95,15 @@ class PostedNotice:
         return None if path is None else cls(path, name)
 
     def begin(self, spool: GrowingFile[BlobInfo]) -> None:
-        """Post it for spool on a thread, while the download goes on (once the spool's file
-        is made: a follower that finds no file follows nothing)."""
-        self._posting = spool.when_made(lambda: self.post(spool))
+        """Post it for spool on a thread, while the download goes on: once the spool's file
+        is made (a follower that finds no file follows nothing), and once its first reader
+        asked for bytes (GrowingFile.first_reader: the thread's GIL hand-overs held that
+        reader's headers up)."""
+        self._posting = asyncio.ensure_future(self._post_when_read(spool))
+
+    async def _post_when_read(self, spool: GrowingFile[BlobInfo]) -> None:
+        await spool.first_reader()
+        await spool.when_made(lambda: self.post(spool))
 
     async def posted(self) -> None:
         """Once begun, wait until it is posted (or could not be)."""

@@ -328,7 +328,8 @@ def origin_of(url: str) -> str | None:
     except ValueError:  # e.g. an unclosed IPv6 bracket from a hostile redirect
         return None
     host = parts.hostname
-    if parts.scheme != "https" or not host or parts.username or parts.password:
+    if parts.scheme != "https" or not host or not host.isascii() or parts.username \
+            or parts.password:
         return None
     if ":" in host:
         host = f"[{host}]"

@@ -45,9 +45,12 @@ class ConnectionWarmer:
     def expect(self, origin: str) -> None:
         """A client is about to download from origin (https://host[:port], as origin_of
         gives it) through this proxy: warm it here and in the siblings."""
-        if self._due(origin):
-            self._siblings.tell(CONNECT, origin)
-            self._start(origin)
+        try:  # a hint: nothing of it may fail the request that gave it
+            if self._due(origin):
+                self._siblings.tell(CONNECT, origin)
+                self._start(origin)
+        except Exception:
+            log.debug("no connection warmed for %r", origin, exc_info=True)
 
     def listen(self) -> None:
         """Warm the origins the siblings name (on the running loop)."""

@@ -136,9 +136,6 @@ class PackageFills:
                         self._packages.open_package(provider, info, self._max_size) as download:
                     spool = await start.spool(download.size)
                     offer(spool)
-                    # The notice is written by a thread, after the client's headers went out
-                    # (see GrowingFile.first_reader): its GIL hand-overs held them up.
-                    await spool.first_reader()
                     # For this host's other processes to follow (proxy.store.fill_notices).
                     notice = PostedNotice.of(self._archives, key)
                     if notice is not None:
