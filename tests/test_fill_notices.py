@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.core.errors import UpstreamError
-from proxy.core.spool import GrowingFile
+from proxy.core.spool import FIRST_READER_WAIT, GrowingFile
 from proxy.store import fill_notices
 from proxy.store import spool as store_spool
 from proxy.store.archives import ArchiveStore
@@ -253,3 +253,27 @@ async def test_a_fill_that_ends_once_its_notice_is_posted_withdraws_it_at_once(
     notice.end()  # under the lock: gone before it returns
     path = blobs.fill_notice(NAME)
     assert path is not None and not path.exists()
+
+
+async def test_a_begun_notice_is_posted_once_its_first_reader_asked_for_bytes(
+        tmp_path: Path) -> None:
+    """Its thread's GIL hand-overs held the first reader's headers up: the notice waits for
+    that reader (or FIRST_READER_WAIT without one)."""
+    blobs = DiskBlobStore(ArchiveStore(tmp_path))
+    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
+    spool.temp.write_bytes(b"abc")
+    notice = PostedNotice.of(blobs, NAME)
+    assert notice is not None
+    notice.begin(spool)
+    await asyncio.sleep(FIRST_READER_WAIT / 5)
+    assert await OtherFill.find(blobs, NAME) is None  # no reader yet: not posted
+    reader = spool.chunks()
+    reading = asyncio.ensure_future(reader.__anext__())
+    await asyncio.wait_for(notice.posted(), 5)
+    other = await OtherFill.find(blobs, NAME)
+    assert other is not None and other.spool.temp == spool.temp
+    other.close()
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    await reader.aclose()
+    notice.end()

@@ -47,11 +47,6 @@ class Siblings:
         self._inbox = inbox
         self._outboxes = outboxes
 
-    @property
-    def count(self) -> int:
-        """How many other workers hear this one."""
-        return len(self._outboxes)
-
     def tell(self, kind: str, value: str) -> None:
         """Send `kind value` to every other worker; dropped where it does not fit now."""
         try:  # what a message names is ASCII (an origin: IDNA); anything else is not one

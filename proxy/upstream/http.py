@@ -7,6 +7,7 @@ import json
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from proxy.core.errors import (
     UpstreamNotFound,
     UpstreamTimeout,
 )
+from proxy.core.held import keep_recent
 from proxy.core.metrics import Metrics
 from proxy.core.redaction import excerpt
 from proxy.upstream.egress import EgressPolicy, GuardedResolver, outbound_proxy
@@ -108,7 +110,8 @@ class UpstreamHTTP:
         self._metrics = metrics
         self.egress = egress
         self.activity = activity
-        self._last_used: dict[str, float] = {}  # origin (scheme://netloc) -> monotonic time
+        # origin (as origin_of gives it) -> monotonic time of its last exchange
+        self._last_used: OrderedDict[str, float] = OrderedDict()
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
         # sock_read catches a stalled transfer long before the total deadline; a package
@@ -218,12 +221,8 @@ class UpstreamHTTP:
         return True
 
     def _note_used(self, origin: str | None) -> None:
-        if origin is None:
-            return
-        self._last_used.pop(origin, None)  # the newest last
-        self._last_used[origin] = time.monotonic()
-        if len(self._last_used) > _MOST_ORIGINS:
-            del self._last_used[next(iter(self._last_used))]
+        if origin is not None:
+            keep_recent(self._last_used, origin, time.monotonic(), _MOST_ORIGINS)
 
     async def get(self, url: str, origin: str, max_bytes: int,
                   accept: str = "application/json", authenticate: bool = False) -> Fetched:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from prometheus_client import Counter
 
 from proxy.core.errors import ProxyError
+from proxy.core.held import keep_recent
 from proxy.core.siblings import Siblings
 from proxy.upstream.http import UpstreamHTTP, origin_of
 
@@ -39,7 +41,8 @@ class ConnectionWarmer:
         self._http = http
         self._counted = warmed  # by outcome
         self._siblings = siblings
-        self._warmed: dict[str, float] = {}  # origin -> monotonic time of its last warming
+        # origin -> monotonic time of its last warming
+        self._warmed: OrderedDict[str, float] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def expect(self, origin: str) -> None:
@@ -66,10 +69,7 @@ class ConnectionWarmer:
         last = self._warmed.get(origin)
         if last is not None and now - last < WARM_EVERY:
             return False
-        self._warmed.pop(origin, None)
-        self._warmed[origin] = now
-        while len(self._warmed) > _MOST_ORIGINS:
-            del self._warmed[next(iter(self._warmed))]
+        keep_recent(self._warmed, origin, now, _MOST_ORIGINS)
         return True
 
     def _start(self, origin: str) -> None:
