@@ -46,6 +46,16 @@ def _posted(blobs: DiskBlobStore, data: bytes = b"abc",
     return spool, notice
 
 
+def _begun(blobs: DiskBlobStore) -> tuple[GrowingFile[BlobInfo], PostedNotice]:
+    """A spool whose file exists, and its notice begun (posted on a thread, in time)."""
+    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
+    spool.temp.write_bytes(b"abc")
+    notice = PostedNotice.of(blobs, NAME)
+    assert notice is not None
+    notice.begin(spool)
+    return spool, notice
+
+
 def _rewrite(blobs: DiskBlobStore, **changes: object) -> Path:
     path = blobs.fill_notice(NAME)
     assert path is not None
@@ -241,11 +251,7 @@ async def test_a_notice_is_posted_once_its_spool_file_is_made(
 async def test_a_fill_that_ends_once_its_notice_is_posted_withdraws_it_at_once(
         tmp_path: Path) -> None:
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
-    spool.temp.write_bytes(b"abc")
-    notice = PostedNotice.of(blobs, NAME)
-    assert notice is not None
-    notice.begin(spool)
+    _spool, notice = _begun(blobs)
     await notice.posted()
     other = await OtherFill.find(blobs, NAME)
     assert other is not None
@@ -260,11 +266,7 @@ async def test_a_begun_notice_is_posted_once_its_first_reader_asked_for_bytes(
     """Its thread's GIL hand-overs held the first reader's headers up: the notice waits for
     that reader (or FIRST_READER_WAIT without one)."""
     blobs = DiskBlobStore(ArchiveStore(tmp_path))
-    spool: GrowingFile[BlobInfo] = GrowingFile(blobs.spool_path(), len(BODY))
-    spool.temp.write_bytes(b"abc")
-    notice = PostedNotice.of(blobs, NAME)
-    assert notice is not None
-    notice.begin(spool)
+    spool, notice = _begun(blobs)
     await asyncio.sleep(FIRST_READER_WAIT / 5)
     assert await OtherFill.find(blobs, NAME) is None  # no reader yet: not posted
     reader = spool.chunks()
